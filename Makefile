@@ -1,0 +1,27 @@
+# raypar: `make demo` trains with DDP on a local Ray cluster; `make test` runs the test suite.
+# Both create .venv on first use. torch comes first as the pinned CPU wheel, so no multi-GB
+# CUDA build is ever downloaded; the project's own torch range is then already satisfied.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.raypar-installed
+
+.PHONY: demo test venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m ray_jobs.ddp --num-workers 2 --epochs 3 --name demo-$$(date +%Y%m%d-%H%M%S)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) runs

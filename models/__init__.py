@@ -1,0 +1,5 @@
+"""raypar models: plain torch modules. Nothing here imports Ray or torch.distributed."""
+from models.registry import MODEL_OPTIONS, MODELS, NamedSequential, build_model
+from models.split import split_into_stages
+
+__all__ = ["MODELS", "MODEL_OPTIONS", "NamedSequential", "build_model", "split_into_stages"]

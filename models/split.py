@@ -1,0 +1,73 @@
+"""Cut a sequential model into pipeline stages that, run in order, compute exactly ``model(x)``."""
+from __future__ import annotations
+
+from torch import nn
+
+from models.registry import NamedSequential
+
+
+def _units(model: nn.Sequential) -> list[list[tuple[str, nn.Module]]]:
+    """Group children so each unit starts at a module with parameters.
+
+    Parameter-free modules (activations) stay with the layer before them, so no stage is
+    an activation alone and the cut points are exactly the layer boundaries.
+    """
+    units: list[list[tuple[str, nn.Module]]] = []
+    for name, child in model.named_children():
+        has_params = any(True for _ in child.parameters())
+        if has_params or not units:
+            units.append([(name, child)])
+        else:
+            units[-1].append((name, child))
+    return units
+
+
+def _num_params(unit: list[tuple[str, nn.Module]]) -> int:
+    return sum(p.numel() for _, child in unit for p in child.parameters())
+
+
+def _balanced_cuts(weights: list[int], num_stages: int) -> list[int]:
+    """Start index of each stage in a contiguous partition minimising the largest stage weight."""
+    n = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[s][i]: smallest possible max stage weight covering units[:i] with s stages.
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    choice = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for s in range(1, num_stages + 1):
+        for i in range(s, n + 1):
+            for j in range(s - 1, i):
+                cost = max(best[s - 1][j], prefix[i] - prefix[j])
+                if cost < best[s][i]:
+                    best[s][i], choice[s][i] = cost, j
+    cuts, i = [], n
+    for s in range(num_stages, 0, -1):
+        i = choice[s][i]
+        cuts.append(i)
+    return cuts[::-1]
+
+
+def split_into_stages(model: nn.Module, num_stages: int) -> list[nn.Module]:
+    """Split a registry model into ``num_stages`` sequential stages, balanced by parameter count.
+
+    The stages share the model's modules and keep their child names, so the union of the
+    stages' ``state_dict()`` is the model's ``state_dict()`` with no key rewriting.
+    """
+    if not isinstance(model, nn.Sequential):
+        raise ValueError(f"can only split sequential registry models, got {type(model).__name__}")
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"--num-stages must be a positive integer, got {num_stages!r}")
+    units = _units(model)
+    if num_stages > len(units):
+        raise ValueError(
+            f"--num-stages {num_stages} is more than the model's {len(units)} layers; "
+            f"use at most {len(units)} stages or a deeper model (--depth)"
+        )
+    starts = _balanced_cuts([_num_params(unit) for unit in units], num_stages) + [len(units)]
+    return [
+        NamedSequential(**{name: child for unit in units[starts[k] : starts[k + 1]] for name, child in unit})
+        for k in range(num_stages)
+    ]

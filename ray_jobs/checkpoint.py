@@ -1,0 +1,69 @@
+"""The one checkpoint format every strategy writes and reads.
+
+A checkpoint is a directory holding ``checkpoint.pt``: the full, unsplit model ``state_dict``
+(loadable by ``build_model`` with no key rewriting), the optimizer state keyed by parameter
+*name* (so it does not depend on how a strategy wrapped or split the model), the number of
+completed epochs, the per-epoch losses so far, and torch's RNG state.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+CHECKPOINT_FILE = "checkpoint.pt"
+
+
+@dataclass
+class TrainState:
+    model: dict[str, torch.Tensor]
+    optimizer: dict
+    epochs_completed: int
+    losses: list[float] = field(default_factory=list)
+    rng: torch.Tensor = field(default_factory=torch.get_rng_state)
+
+
+def save_checkpoint(state: TrainState, directory: str) -> str:
+    """Write ``checkpoint.pt`` under a temporary name first: a crash never leaves a partial file."""
+    path = os.path.join(directory, CHECKPOINT_FILE)
+    torch.save(asdict(state), path + ".partial")
+    os.replace(path + ".partial", path)
+    return path
+
+
+def load_checkpoint(directory: str) -> TrainState:
+    path = os.path.join(directory, CHECKPOINT_FILE)
+    if not os.path.isfile(path):
+        raise ValueError(f"{directory} is not a raypar checkpoint: {CHECKPOINT_FILE} is missing")
+    return TrainState(**torch.load(path, map_location="cpu", weights_only=True))
+
+
+def named_optimizer_state(optimizer: torch.optim.Optimizer, named_params: dict[str, nn.Parameter]) -> dict:
+    """``optimizer.state_dict()`` with per-parameter state keyed by parameter name, not position."""
+    names = {id(param): name for name, param in named_params.items()}
+    ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    raw = optimizer.state_dict()
+    return {
+        "state": {ordered[index]: value for index, value in raw["state"].items()},
+        "param_groups": [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": [ordered[i] for i in group["params"]]}
+            for group in raw["param_groups"]
+        ],
+    }
+
+
+def load_named_optimizer_state(
+    optimizer: torch.optim.Optimizer, named_params: dict[str, nn.Parameter], named_state: dict
+) -> None:
+    """Inverse of ``named_optimizer_state`` for this optimizer's parameters (a stage's subset is fine)."""
+    names = {id(param): name for name, param in named_params.items()}
+    ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    position = {name: index for index, name in enumerate(ordered)}
+    groups = []
+    for group, saved in zip(optimizer.param_groups, named_state["param_groups"]):
+        hyper = {k: v for k, v in saved.items() if k != "params"}
+        groups.append({**hyper, "params": [position[names[id(p)]] for p in group["params"]]})
+    state = {position[name]: value for name, value in named_state["state"].items() if name in position}
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -1,0 +1,45 @@
+"""The shape every entry point shares: parse flags, validate, connect, run, print.
+
+User errors end as one ``error:`` line and exit status 2; a failed run as one line and 1.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ray_jobs.config import ArgumentParser, TrainConfig, add_flags, from_args
+from ray_jobs.runner import PreparedRun, prepare
+from ray_jobs.session import connect
+from ray_jobs.summary import TrainSummary
+from ray_jobs.train_workers import TrainingFailed
+
+
+def entry_point(
+    strategy: str,
+    scaling_cls: type,
+    run: Callable[[PreparedRun, Any], TrainSummary],
+    argv: list[str] | None,
+    description: str | None,
+) -> int:
+    parser = ArgumentParser(prog=f"python -m ray_jobs.{strategy}", description=description)
+    add_flags(parser, TrainConfig, "training")
+    add_flags(parser, scaling_cls, "placement")
+    parser.add_argument("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else a new local one)")
+    args = parser.parse_args(argv)
+    try:
+        cfg, scaling = from_args(TrainConfig, args), from_args(scaling_cls, args)
+        prepared = prepare(cfg, strategy)
+        connect(args.address)
+        summary = run(prepared, scaling)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except TrainingFailed as error:
+        print(f"error: training failed: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; the latest checkpoint is kept and a re-run with the same --name resumes", file=sys.stderr)
+        return 130
+    print(summary.table())
+    return 0

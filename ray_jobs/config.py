@@ -1,0 +1,161 @@
+"""Typed, validated configuration shared by every strategy, and the CLI flags generated from it.
+
+Each field's ``help`` metadata is both its documentation and its ``--flag`` help text, so the
+dataclasses are the single source of truth for names, defaults and meaning.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from models import MODELS
+
+OPTIMIZERS = ("sgd", "adamw")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
+
+
+def _doc(help_text: str, **extra: Any) -> dict[str, Any]:
+    return {"help": help_text, **extra}
+
+
+@dataclass
+class TrainConfig:
+    """What to train and how: identical for every strategy, so results are comparable."""
+
+    model: str = field(default="seed-mlp", metadata=_doc("registry model name", choices=sorted(MODELS)))
+    hidden: int | None = field(default=None, metadata=_doc("hidden width (seed-mlp, seed-split, mlp)"))
+    depth: int | None = field(default=None, metadata=_doc("number of Linear layers (mlp)"))
+    data: str | None = field(
+        default=None,
+        metadata=_doc("Parquet file or directory, local or a pyarrow.fs URI; default: synthetic data"),
+    )
+    feature_column: str = field(default="features", metadata=_doc("list<float> column of inputs"))
+    target_column: str = field(
+        default="target", metadata=_doc("list<float> column (regression) or integer column (classification)")
+    )
+    epochs: int = field(default=3, metadata=_doc("passes over the data"))
+    batch_size: int = field(default=32, metadata=_doc("global batch size, split evenly across workers"))
+    lr: float = field(default=0.05, metadata=_doc("learning rate"))
+    optimizer: str = field(default="sgd", metadata=_doc("optimizer", choices=OPTIMIZERS))
+    momentum: float = field(default=0.0, metadata=_doc("SGD momentum"))
+    weight_decay: float = field(default=0.0, metadata=_doc("weight decay (sgd and adamw)"))
+    seed: int = field(default=0, metadata=_doc("seeds initial weights and the epoch shuffles"))
+    shuffle: bool = field(default=True, metadata=_doc("visit rows in file order instead of a seeded shuffle"))
+    init_from: str | None = field(
+        default=None, metadata=_doc("initial weights: a full state_dict (.pt) of the unsplit model")
+    )
+    checkpoint_every: int = field(default=1, metadata=_doc("checkpoint every N epochs (and always at the end)"))
+    num_checkpoints_to_keep: int = field(default=2, metadata=_doc("checkpoints kept in the run directory"))
+    storage_path: str = field(default="./runs", metadata=_doc("run storage: a local path or s3:// / gs:// URI"))
+    name: str | None = field(
+        default=None, metadata=_doc("run name; re-running a name resumes it (default: strategy + timestamp)")
+    )
+    max_failures: int = field(default=0, metadata=_doc("worker-group restarts allowed, each resuming from the latest checkpoint"))
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"--model {self.model!r} is unknown; valid models: {', '.join(sorted(MODELS))}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer {self.optimizer!r} is unknown; valid: {', '.join(OPTIMIZERS)}")
+        for flag in ("epochs", "batch_size", "checkpoint_every", "num_checkpoints_to_keep"):
+            _require(getattr(self, flag) >= 1, flag, getattr(self, flag), "at least 1")
+        for flag in ("hidden", "depth"):
+            value = getattr(self, flag)
+            _require(value is None or value >= 1, flag, value, "at least 1")
+        _require(self.lr > 0, "lr", self.lr, "positive")
+        for flag in ("momentum", "weight_decay", "max_failures"):
+            _require(getattr(self, flag) >= 0, flag, getattr(self, flag), "zero or more")
+        if self.optimizer != "sgd" and self.momentum:
+            raise ValueError("--momentum applies to --optimizer sgd only")
+
+    @property
+    def model_options(self) -> dict[str, int | None]:
+        return {"hidden": self.hidden, "depth": self.depth}
+
+
+@dataclass
+class WorkerScaling:
+    """How Ray Train places the workers of a data-parallel run (DDP or DataParallel)."""
+
+    num_workers: int = field(default=2, metadata=_doc("training worker processes (one per GPU on GPU clusters)"))
+    use_gpu: bool = field(default=False, metadata=_doc("give each worker GPUs and use nccl (default: CPU, gloo)"))
+    cpus_per_worker: float = field(default=1.0, metadata=_doc("CPUs reserved per worker; also its torch thread count"))
+    gpus_per_worker: float | None = field(
+        default=None, metadata=_doc("GPUs per worker, fractional allowed (default 1 with --use-gpu)")
+    )
+    placement_strategy: str = field(
+        default="PACK", metadata=_doc("how workers spread over nodes", choices=PLACEMENT_STRATEGIES)
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.num_workers >= 1, "num_workers", self.num_workers, "at least 1")
+        _require(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "positive")
+        if self.gpus_per_worker is not None:
+            _require(self.gpus_per_worker > 0, "gpus_per_worker", self.gpus_per_worker, "positive")
+            if not self.use_gpu:
+                raise ValueError("--gpus-per-worker needs --use-gpu")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(
+                f"--placement-strategy {self.placement_strategy!r} is unknown; "
+                f"valid: {', '.join(PLACEMENT_STRATEGIES)}"
+            )
+
+    @property
+    def resources_per_worker(self) -> dict[str, float]:
+        resources = {"CPU": self.cpus_per_worker}
+        if self.use_gpu:
+            resources["GPU"] = self.gpus_per_worker if self.gpus_per_worker is not None else 1.0
+        return resources
+
+
+def _require(ok: bool, flag: str, value: Any, what: str) -> None:
+    if not ok:
+        raise ValueError(f"--{flag.replace('_', '-')} must be {what}, got {value}")
+
+
+def require_divisible(batch_size: int, parts: int, flag: str) -> None:
+    """The global batch must split into equal parts, else the mean-loss gradient changes."""
+    if batch_size % parts:
+        raise ValueError(f"--batch-size {batch_size} is not divisible by {flag} {parts}")
+
+
+Config = TypeVar("Config")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line, without the usage block."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
+    """Add one ``--flag`` per dataclass field; a bool defaulting to True becomes ``--no-flag``."""
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        meta = dict(f.metadata)
+        if kind is bool:
+            if f.default:
+                group.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=meta["help"])
+            else:
+                group.add_argument(flag, dest=f.name, action="store_true", help=meta["help"])
+            continue
+        scalar = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))
+        default = f.default if f.default is not dataclasses.MISSING else None
+        # choices go into the help text: a bad value then fails in __post_init__ with one line.
+        choices = meta.pop("choices", None)
+        meta["help"] += f"; one of {', '.join(choices)}" if choices else ""
+        meta["help"] += f" (default: {default})" if default is not None else ""
+        group.add_argument(flag, dest=f.name, type=scalar, default=default, metavar=f.name.upper(), **meta)
+
+
+def from_args(cls: type[Config], args: argparse.Namespace) -> Config:
+    """Build (and so validate) a config dataclass from parsed flags."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in vars(args).items() if k in names})

@@ -1,0 +1,171 @@
+"""Parquet training data: reading and validating it with pyarrow, and writing synthetic sets.
+
+``python -m ray_jobs.data synth --out PATH ...`` writes a synthetic dataset.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from ray_jobs.config import ArgumentParser
+from ray_jobs.storage import resolve
+
+TASKS = ("regression", "classification")
+NUM_CLASSES_KEY = b"raypar.num_classes"
+
+
+@dataclass
+class Dataset:
+    """All rows in memory: ``features`` float32 (n, D); ``targets`` float32 (n, K) or int64 (n,)."""
+
+    features: np.ndarray
+    targets: np.ndarray
+    task: str
+    num_classes: int | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.features)
+
+    @property
+    def in_features(self) -> int:
+        return self.features.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.num_classes if self.task == "classification" else self.targets.shape[1]
+
+
+def _column(table: pa.Table, name: str, flag: str) -> pa.ChunkedArray:
+    if name not in table.column_names:
+        raise ValueError(
+            f"column {name!r} ({flag}) is missing; the data has columns: {', '.join(table.column_names)}"
+        )
+    column = table.column(name)
+    if column.null_count:
+        raise ValueError(f"column {name!r} has {column.null_count} null rows; every row needs a value")
+    return column
+
+
+def _fixed_width(column: pa.ChunkedArray, name: str) -> np.ndarray:
+    """A list-of-floats column as an (n, width) float32 array; ragged rows are an error."""
+    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)
+            or pa.types.is_fixed_size_list(column.type)):
+        raise ValueError(f"column {name!r} must be a list of floats per row, got {column.type}")
+    array = column.combine_chunks()
+    if pa.types.is_fixed_size_list(array.type):
+        width = array.type.list_size
+    else:
+        lengths = np.asarray(array.value_lengths())
+        width = int(lengths[0]) if len(lengths) else 0
+        if len(lengths) and (lengths != width).any():
+            bad = int(np.argmax(lengths != width))
+            raise ValueError(
+                f"column {name!r} is ragged: row 0 has {width} values, row {bad} has {int(lengths[bad])}; "
+                "every row needs the same width"
+            )
+    if width == 0:
+        raise ValueError(f"column {name!r} has empty lists; every row needs at least one value")
+    values = array.flatten()
+    if not (pa.types.is_floating(values.type) or pa.types.is_integer(values.type)):
+        raise ValueError(f"column {name!r} must hold numbers, got lists of {values.type}")
+    return np.asarray(values.to_numpy(zero_copy_only=False), dtype=np.float32).reshape(-1, width)
+
+
+def table_to_dataset(table: pa.Table, feature_column: str = "features", target_column: str = "target") -> Dataset:
+    """Validate a table and turn it into arrays; every problem is one ``ValueError`` line."""
+    if table.num_rows == 0:
+        raise ValueError("the dataset has no rows")
+    features = _fixed_width(_column(table, feature_column, "--feature-column"), feature_column)
+    target = _column(table, target_column, "--target-column")
+    if pa.types.is_integer(target.type):
+        labels = np.asarray(target.to_numpy(), dtype=np.int64)
+        if labels.min() < 0:
+            raise ValueError(f"column {target_column!r} has negative class labels; labels must be 0..K-1")
+        stored = (table.schema.metadata or {}).get(NUM_CLASSES_KEY)
+        num_classes = int(stored) if stored else int(labels.max()) + 1
+        if labels.max() >= num_classes:
+            raise ValueError(f"column {target_column!r} has label {labels.max()} >= num_classes {num_classes}")
+        return Dataset(features, labels, "classification", num_classes)
+    if not (pa.types.is_list(target.type) or pa.types.is_large_list(target.type)
+            or pa.types.is_fixed_size_list(target.type)):
+        raise ValueError(
+            f"column {target_column!r} must be a list of floats (regression) or integers (classification), "
+            f"got {target.type}"
+        )
+    return Dataset(features, _fixed_width(target, target_column), "regression")
+
+
+def read_dataset(path: str, feature_column: str = "features", target_column: str = "target") -> Dataset:
+    """Read a Parquet file or directory (local or URI) and validate it."""
+    filesystem, fs_path = resolve(path)
+    info = filesystem.get_file_info(fs_path)
+    if info.type == pafs.FileType.NotFound:
+        raise ValueError(f"--data {path}: no such file or directory")
+    try:
+        table = pq.read_table(fs_path, filesystem=filesystem, columns=None)
+    except (pa.ArrowInvalid, OSError) as error:
+        raise ValueError(f"--data {path}: not readable as Parquet ({str(error).splitlines()[0]})") from None
+    return table_to_dataset(table, feature_column, target_column)
+
+
+def synthesize(
+    rows: int, in_features: int, out_features: int, task: str = "regression", seed: int = 0
+) -> pa.Table:
+    """The tutorials' random inputs, with targets from a known linear map so there is something to learn."""
+    if task not in TASKS:
+        raise ValueError(f"--task {task!r} is unknown; valid: {', '.join(TASKS)}")
+    for flag, value in (("rows", rows), ("in-features", in_features), ("out-features", out_features)):
+        if value < 1:
+            raise ValueError(f"--{flag} must be at least 1, got {value}")
+    rng = np.random.default_rng(seed)
+    features = rng.standard_normal((rows, in_features), dtype=np.float32)
+    weight = rng.standard_normal((in_features, out_features), dtype=np.float32) / np.sqrt(in_features)
+    scores = features @ weight
+    columns = {"features": pa.FixedSizeListArray.from_arrays(pa.array(features.ravel()), in_features)}
+    metadata = None
+    if task == "regression":
+        noisy = scores + 0.01 * rng.standard_normal(scores.shape, dtype=np.float32)
+        columns["target"] = pa.FixedSizeListArray.from_arrays(pa.array(noisy.ravel()), out_features)
+    else:
+        columns["target"] = pa.array(scores.argmax(axis=1).astype(np.int64))
+        metadata = {NUM_CLASSES_KEY: str(out_features).encode()}
+    return pa.table(columns, metadata=metadata)
+
+
+def write_table(table: pa.Table, path: str) -> None:
+    filesystem, fs_path = resolve(path)
+    parent = fs_path.rsplit("/", 1)[0]
+    if parent:
+        filesystem.create_dir(parent, recursive=True)
+    pq.write_table(table, fs_path, filesystem=filesystem)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog="python -m ray_jobs.data", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    synth = commands.add_parser("synth", help="write a synthetic Parquet dataset")
+    synth.add_argument("--out", required=True, help="output .parquet path or URI")
+    synth.add_argument("--rows", type=int, default=1024)
+    synth.add_argument("--in-features", type=int, default=10)
+    synth.add_argument("--out-features", type=int, default=5, help="target width, or number of classes")
+    synth.add_argument("--task", default="regression", help=f"one of {', '.join(TASKS)}")
+    synth.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        table = synthesize(args.rows, args.in_features, args.out_features, args.task, args.seed)
+        write_table(table, args.out)
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {table.num_rows} rows ({args.task}, {args.in_features} -> {args.out_features}) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""DistributedDataParallel on Ray Train: ``python -m ray_jobs.ddp --num-workers N ...``.
+
+Each worker is a process with its own model replica; ``TorchTrainer`` starts and places the
+workers and sets up the process group (gloo on CPU, nccl on GPU); gradients are all-reduced.
+"""
+from __future__ import annotations
+
+import sys
+
+import ray.train.torch
+import torch
+from torch import nn
+
+from ray_jobs.cli import entry_point
+from ray_jobs.config import WorkerScaling
+from ray_jobs.runner import PreparedRun
+from ray_jobs.summary import TrainSummary
+from ray_jobs.train_workers import run_workers
+
+
+def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    """Move to the worker's device and wrap in DDP (a no-op wrap for a single worker)."""
+    return ray.train.torch.prepare_model(model, move_to_device=device)
+
+
+def run(prepared: PreparedRun, scaling: WorkerScaling, **options) -> TrainSummary:
+    return run_workers(prepared, scaling, wrap_ddp, **options)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return entry_point("ddp", WorkerScaling, run, argv, __doc__)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""The DataParallel baseline: ``python -m ray_jobs.dp --gpus G ...``.
+
+One Ray Train worker holds every GPU of its node; ``nn.DataParallel`` scatters each batch over
+them with threads in one process. Simple, single-node, and limited by the GIL and by
+scatter/gather on GPU 0: kept as the baseline DDP is measured against.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ray_jobs.cli import entry_point
+from ray_jobs.config import WorkerScaling, _doc, _require
+from ray_jobs.runner import PreparedRun
+from ray_jobs.summary import TrainSummary
+from ray_jobs.train_workers import run_workers
+
+
+@dataclass
+class DataParallelScaling:
+    """The one worker of a DataParallel run."""
+
+    gpus: int = field(default=0, metadata=_doc("GPUs the worker holds, all on one node (0: CPU)"))
+    cpus_per_worker: float = field(default=1.0, metadata=_doc("CPUs reserved for the worker; also its torch threads"))
+
+    def __post_init__(self) -> None:
+        _require(self.gpus >= 0, "gpus", self.gpus, "zero or more")
+        _require(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "positive")
+
+    def workers(self) -> WorkerScaling:
+        gpus = float(self.gpus) if self.gpus else None
+        return WorkerScaling(1, self.gpus > 0, self.cpus_per_worker, gpus, "PACK")
+
+
+def wrap_dp(model: nn.Module, device: torch.device) -> nn.Module:
+    """Wrap in ``nn.DataParallel`` when more than one GPU is visible; else the model as it is."""
+    model = model.to(device)
+    if torch.cuda.is_available() and torch.cuda.device_count() > 1:
+        return nn.DataParallel(model)
+    return model
+
+
+def run(prepared: PreparedRun, scaling: DataParallelScaling, **options) -> TrainSummary:
+    return run_workers(prepared, scaling.workers(), wrap_dp, **options)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return entry_point("dp", DataParallelScaling, run, argv, __doc__)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""The training loop every Ray Train worker runs, for DDP and DataParallel alike.
+
+The strategy enters only through ``LoopConfig.wrap`` (how the model is wrapped) and through
+which slice of each global batch this worker takes (its world rank).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import ray
+import ray.train
+import ray.train.torch
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models import build_model
+from ray_jobs.checkpoint import (
+    TrainState,
+    load_checkpoint,
+    load_named_optimizer_state,
+    named_optimizer_state,
+    save_checkpoint,
+)
+from ray_jobs.config import TrainConfig
+from ray_jobs.data import Dataset
+from ray_jobs.training import build_optimizer, epoch_order, global_batches, loss_function, shard, train_step
+
+
+@dataclass
+class LoopConfig:
+    """Everything a worker needs; large values travel as object-store references."""
+
+    train: dict[str, Any]
+    dataset: ray.ObjectRef
+    initial_state: ray.ObjectRef
+    wrap: Callable[[nn.Module, torch.device], nn.Module]
+    num_threads: int
+    crash_at_epoch: int | None = None
+    """Fault injection for tests: on a run not resumed from a checkpoint, the worker process
+    exits hard during this epoch, after the previous epoch's checkpoint was registered."""
+
+
+def train_loop_per_worker(raw: dict[str, Any]) -> None:
+    loop = LoopConfig(**raw)
+    cfg = TrainConfig(**loop.train)
+    _quiet_report_logs()
+    ctx = ray.train.get_context()
+    world_rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(loop.num_threads)
+    dataset: Dataset = ray.get(loop.dataset)
+    device = ray.train.torch.get_device()
+
+    model = build_model(cfg.model, dataset.in_features, dataset.out_features, **cfg.model_options)
+    model.load_state_dict(ray.get(loop.initial_state))
+    model.to(device)
+    optimizer = build_optimizer(model.parameters(), cfg)
+    start = _restore(model, optimizer)
+    losses = list(start.losses) if start else []
+    wrapped = loop.wrap(model, device)
+    features, targets = _as_tensors(dataset, device)
+    loss_fn = loss_function(dataset.task)
+    worker_nodes = _gather_node_ids(world_size)
+
+    first_epoch = start.epochs_completed if start else 0
+    num_samples, train_seconds = 0, 0.0
+    for epoch in range(first_epoch, cfg.epochs):
+        began = time.perf_counter()
+        loss_sum = torch.zeros((), device=device)
+        batches = global_batches(epoch_order(dataset.num_rows, cfg.seed, epoch, cfg.shuffle), cfg.batch_size)
+        for step, batch in enumerate(batches):
+            rows = shard(batch, world_size, world_rank).to(device)
+            loss = train_step(wrapped, optimizer, loss_fn, features[rows], targets[rows])
+            _check_finite(loss, epoch, step)
+            loss_sum += loss
+            if loop.crash_at_epoch == epoch and start is None and world_rank == 0:
+                _crash()
+        losses.append(_mean_over_workers(loss_sum, world_size).item() / len(batches))
+        train_seconds += time.perf_counter() - began
+        num_samples += len(batches) * cfg.batch_size
+        metrics = {
+            "epoch": epoch,
+            "loss": losses[-1],
+            "epochs_completed": epoch + 1,
+            "samples_per_second": num_samples / train_seconds if train_seconds else None,
+            "worker_nodes": worker_nodes,
+            "resumed_from_epoch": start.epochs_completed if start else None,
+        }
+        if world_rank == 0:
+            print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {losses[-1]:.6f}", flush=True)
+        save = (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs
+        _report(metrics, _train_state(model, optimizer, epoch + 1, losses) if save and world_rank == 0 else None)
+    if first_epoch >= cfg.epochs:
+        # Re-run of a finished run: report once so the result carries this attempt's metrics.
+        metrics = {"epochs_completed": first_epoch, "samples_per_second": None}
+        _report({**metrics, "worker_nodes": worker_nodes, "resumed_from_epoch": first_epoch}, None)
+
+
+def _restore(model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainState | None:
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as directory:
+        state = load_checkpoint(directory)
+    model.load_state_dict(state.model)
+    load_named_optimizer_state(optimizer, dict(model.named_parameters()), state.optimizer)
+    torch.set_rng_state(state.rng)
+    return state
+
+
+def _report(metrics: dict[str, Any], state: TrainState | None) -> None:
+    """Every rank reports (it is a barrier); only world rank 0 attaches the checkpoint."""
+    if state is None:
+        ray.train.report(metrics)
+        return
+    with tempfile.TemporaryDirectory(prefix="raypar-ckpt-") as directory:
+        save_checkpoint(state, directory)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+
+
+def _as_tensors(dataset: Dataset, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    with warnings.catch_warnings():
+        # Object-store arrays are read-only and shared by the node's workers; we only index them.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        features, targets = torch.from_numpy(dataset.features), torch.from_numpy(dataset.targets)
+    return features.to(device), targets.to(device)
+
+
+def _train_state(model: nn.Module, optimizer: torch.optim.Optimizer, epochs: int, losses: list[float]) -> TrainState:
+    weights = {key: value.detach().cpu().clone() for key, value in model.state_dict().items()}
+    return TrainState(weights, named_optimizer_state(optimizer, dict(model.named_parameters())), epochs, losses)
+
+
+def _mean_over_workers(value: torch.Tensor, world_size: int) -> torch.Tensor:
+    if world_size > 1:
+        dist.all_reduce(value)
+        value = value / world_size
+    return value
+
+
+def _gather_node_ids(world_size: int) -> list[str]:
+    node_id = ray.get_runtime_context().get_node_id()
+    if world_size == 1:
+        return [node_id]
+    gathered: list[str] = [""] * world_size
+    dist.all_gather_object(gathered, node_id)
+    return gathered
+
+
+def _check_finite(loss: torch.Tensor, epoch: int, step: int) -> None:
+    if not torch.isfinite(loss):
+        raise FloatingPointError(
+            f"loss became {loss.item()} at epoch {epoch + 1}, step {step + 1}; "
+            "lower --lr or check the data; the last good checkpoint is kept"
+        )
+
+
+def _quiet_report_logs() -> None:
+    """Ray Train logs every report (metrics and all) at INFO under a logger named by file path,
+    which ``LoggingConfig`` does not reach; raypar's own one line per epoch is the progress."""
+    from ray.train.v2._internal.execution import context
+
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+
+
+def _crash() -> None:
+    # Ray 2.60 may upload but never register a checkpoint reported ~2 s before a crash;
+    # wait so the previous epoch's checkpoint is registered and the resume is deterministic.
+    time.sleep(3)
+    os._exit(1)

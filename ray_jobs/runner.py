@@ -1,0 +1,96 @@
+"""Driver side of a run, shared by every strategy: validate, prepare, and write the run's outputs.
+
+Validation happens here, before Ray is asked for anything, so bad input costs a second and
+leaves nothing in the run directory.
+"""
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Any
+
+import torch
+
+from ray_jobs import storage
+from ray_jobs.checkpoint import TrainState
+from ray_jobs.config import TrainConfig
+from ray_jobs.data import Dataset, read_dataset, synthesize, table_to_dataset
+from ray_jobs.summary import TrainSummary
+from ray_jobs.training import check_batch_fits, initial_model
+
+# The default data when --data is not given: the DDP tutorial's shape (10 inputs, 5 outputs).
+SYNTHETIC_ROWS, SYNTHETIC_IN, SYNTHETIC_OUT = 1024, 10, 5
+
+
+@dataclass
+class PreparedRun:
+    """A validated run, ready to hand to Ray."""
+
+    cfg: TrainConfig
+    strategy: str
+    dataset: Dataset
+    initial_state: dict[str, torch.Tensor]
+    name: str
+    storage_path: str
+
+    @property
+    def run_dir(self) -> str:
+        return storage.join(self.storage_path, self.name)
+
+
+def load_data(cfg: TrainConfig) -> Dataset:
+    if cfg.data is None:
+        table = synthesize(SYNTHETIC_ROWS, SYNTHETIC_IN, SYNTHETIC_OUT, "regression", cfg.seed)
+        return table_to_dataset(table)
+    return read_dataset(cfg.data, cfg.feature_column, cfg.target_column)
+
+
+def prepare(cfg: TrainConfig, strategy: str) -> PreparedRun:
+    """Everything that can be checked without Ray: data, model, initial weights, storage."""
+    dataset = load_data(cfg)
+    check_batch_fits(cfg, dataset)
+    model = initial_model(cfg, dataset)
+    name = cfg.name or f"{strategy}-{datetime.now():%Y%m%d-%H%M%S}"
+    if "/" in name:
+        raise ValueError(f"--name {name!r} must not contain '/'")
+    storage_path = storage.absolute(cfg.storage_path)
+    prepared = PreparedRun(cfg, strategy, dataset, model.state_dict(), name, storage_path)
+    storage.check_writable(prepared.run_dir)
+    return prepared
+
+
+def finish(
+    prepared: PreparedRun,
+    final: TrainState,
+    metrics: dict[str, Any],
+    world_size: int,
+    extra_config: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> TrainSummary:
+    """Write ``model.pt`` and ``summary.json`` into the run directory and return the summary."""
+    cfg, dataset = prepared.cfg, prepared.dataset
+    summary = TrainSummary(
+        strategy=prepared.strategy,
+        world_size=world_size,
+        epochs_completed=final.epochs_completed,
+        losses=[float(loss) for loss in final.losses],
+        samples_per_second=metrics.get("samples_per_second"),
+        resumed_from_epoch=metrics.get("resumed_from_epoch"),
+        model={"name": cfg.model, "in_features": dataset.in_features, "out_features": dataset.out_features,
+               **{k: v for k, v in cfg.model_options.items() if v is not None}},
+        config={**asdict(cfg), "name": prepared.name, **extra_config},
+        run_dir=prepared.run_dir,
+        worker_nodes=metrics.get("worker_nodes"),
+        extra=extra or {},
+    )
+    buffer = io.BytesIO()
+    torch.save(final.model, buffer)
+    storage.write_bytes(storage.join(prepared.run_dir, "model.pt"), buffer.getvalue())
+    storage.write_bytes(storage.join(prepared.run_dir, "summary.json"), summary.to_json().encode())
+    return summary
+
+
+def read_summary(run_dir: str) -> dict[str, Any]:
+    return json.loads(storage.read_bytes(storage.join(run_dir, "summary.json")))

@@ -1,0 +1,43 @@
+"""``summary.json``: the one result record every strategy writes into its run directory."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class TrainSummary:
+    strategy: str
+    world_size: int
+    epochs_completed: int
+    losses: list[float]
+    samples_per_second: float | None
+    resumed_from_epoch: int | None
+    model: dict[str, Any]
+    config: dict[str, Any]
+    run_dir: str
+    worker_nodes: list[str] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        record = asdict(self)
+        record.update(record.pop("extra"))
+        if record["worker_nodes"] is None:
+            record.pop("worker_nodes")
+        return json.dumps(record, indent=2)
+
+    def table(self) -> str:
+        """A short human-readable result table."""
+        rows = [
+            ("strategy", self.strategy),
+            ("world size", self.world_size),
+            ("epochs completed", self.epochs_completed),
+            ("first / last loss", f"{self.losses[0]:.6f} / {self.losses[-1]:.6f}" if self.losses else "-"),
+            ("samples/s", f"{self.samples_per_second:,.0f}" if self.samples_per_second else "-"),
+            ("resumed from epoch", self.resumed_from_epoch if self.resumed_from_epoch is not None else "-"),
+            ("nodes", len(set(self.worker_nodes or self.extra.get("stage_nodes", [])))),
+            ("run directory", self.run_dir),
+        ]
+        width = max(len(label) for label, _ in rows)
+        return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)

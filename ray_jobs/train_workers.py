@@ -1,0 +1,84 @@
+"""Ray Train orchestration shared by the DDP and DataParallel strategies.
+
+Both run the same worker loop under ``TorchTrainer``; they differ only in worker scaling and in
+how the model is wrapped, which the caller passes in.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict
+
+import ray
+import torch
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.v2.api.config import LoggingConfig
+from ray.train.torch import TorchTrainer
+from torch import nn
+
+from ray_jobs.checkpoint import load_checkpoint
+from ray_jobs.config import WorkerScaling, require_divisible
+from ray_jobs.loop import LoopConfig, train_loop_per_worker
+from ray_jobs.preflight import check_bundles
+from ray_jobs.runner import PreparedRun, finish
+from ray_jobs.session import WORKER_ENV
+from ray_jobs.summary import TrainSummary
+
+
+class TrainingFailed(RuntimeError):
+    """The run ended with an error; its message is the root cause, in one line."""
+
+
+def run_workers(
+    prepared: PreparedRun,
+    scaling: WorkerScaling,
+    wrap: Callable[[nn.Module, torch.device], nn.Module],
+    crash_at_epoch: int | None = None,
+) -> TrainSummary:
+    """Train ``prepared`` with ``scaling.num_workers`` Ray Train workers; Ray must be connected."""
+    cfg = prepared.cfg
+    require_divisible(cfg.batch_size, scaling.num_workers, "--num-workers")
+    bundles = [scaling.resources_per_worker] * scaling.num_workers
+    check_bundles(bundles, scaling.placement_strategy, f"--num-workers {scaling.num_workers}")
+    loop = LoopConfig(
+        train=asdict(cfg),
+        dataset=ray.put(prepared.dataset),
+        initial_state=ray.put(prepared.initial_state),
+        wrap=wrap,
+        num_threads=max(1, int(scaling.cpus_per_worker)),
+        crash_at_epoch=crash_at_epoch,
+    )
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=vars(loop),
+        scaling_config=ScalingConfig(
+            num_workers=scaling.num_workers,
+            use_gpu=scaling.use_gpu,
+            resources_per_worker=scaling.resources_per_worker,
+            placement_strategy=scaling.placement_strategy,
+        ),
+        run_config=RunConfig(
+            name=prepared.name,
+            storage_path=prepared.storage_path,
+            # A bounded controller budget: Ray's default (-1) retries an unschedulable run forever.
+            failure_config=FailureConfig(max_failures=cfg.max_failures, controller_failure_limit=cfg.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
+            worker_runtime_env={"env_vars": WORKER_ENV},
+            # raypar prints its own progress; Ray Train's per-report INFO lines would drown it.
+            logging_config=LoggingConfig(log_level="WARNING"),
+        ),
+    )
+    try:
+        result = trainer.fit()
+    except ray.train.TrainingFailedError as error:
+        raise TrainingFailed(_root_cause(error)) from error
+    with result.checkpoint.as_directory() as directory:
+        final = load_checkpoint(directory)
+    return finish(prepared, final, result.metrics, scaling.num_workers, {"scaling": asdict(scaling)})
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost message of a worker failure, without Ray's wrapping."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__

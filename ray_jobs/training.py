@@ -1,0 +1,96 @@
+"""The training contract every strategy keeps: batch order, loss, optimizer, initial weights, one step.
+
+Nothing here knows how the batch is split; strategies only decide which rows of each global
+batch a worker or stage sees, and how gradients are combined.
+"""
+from __future__ import annotations
+
+import io
+
+import torch
+from torch import nn
+
+from models import build_model
+from ray_jobs.config import TrainConfig
+from ray_jobs.data import Dataset
+
+
+def epoch_order(num_rows: int, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
+    """Row order of one epoch: DistributedSampler's seeded permutation, or file order."""
+    if not shuffle:
+        return torch.arange(num_rows)
+    return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
+
+
+def global_batches(order: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    """Consecutive global batches of ``order``; a last partial batch is dropped."""
+    num_batches = len(order) // batch_size
+    return [order[i * batch_size : (i + 1) * batch_size] for i in range(num_batches)]
+
+
+def shard(batch: torch.Tensor, num_shards: int, index: int) -> torch.Tensor:
+    """The ``index``-th of ``num_shards`` equal contiguous slices of a global batch."""
+    size = len(batch) // num_shards
+    return batch[index * size : (index + 1) * size]
+
+
+def loss_function(task: str) -> nn.Module:
+    """Mean-reduced loss, so equal shards averaged by all-reduce give the global-batch mean."""
+    return nn.CrossEntropyLoss() if task == "classification" else nn.MSELoss()
+
+
+def build_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def check_batch_fits(cfg: TrainConfig, dataset: Dataset) -> None:
+    if dataset.num_rows < cfg.batch_size:
+        raise ValueError(
+            f"the dataset has {dataset.num_rows} rows, fewer than one global batch (--batch-size {cfg.batch_size})"
+        )
+
+
+def initial_model(cfg: TrainConfig, dataset: Dataset) -> nn.Module:
+    """The run's starting weights: ``--init-from`` if given, else ``manual_seed(seed)`` then build."""
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, dataset.in_features, dataset.out_features, **cfg.model_options)
+    if cfg.init_from is not None:
+        state = load_state_dict_file(cfg.init_from)
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as error:
+            first = str(error).splitlines()[1].strip() if "\n" in str(error) else str(error)
+            raise ValueError(
+                f"--init-from {cfg.init_from} does not match --model {cfg.model} with "
+                f"{dataset.in_features} inputs and {dataset.out_features} outputs: {first}"
+            ) from None
+    return model
+
+
+def load_state_dict_file(path: str) -> dict[str, torch.Tensor]:
+    from ray_jobs.storage import read_bytes
+
+    try:
+        state = torch.load(io.BytesIO(read_bytes(path)), map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(f"--init-from {path}: no such file") from None
+    except Exception as error:  # torch raises several types for a file that is not a checkpoint
+        raise ValueError(f"--init-from {path}: not a torch state_dict ({type(error).__name__})") from None
+    if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
+        state = state["model"]  # a raypar training checkpoint: take its model weights
+    if not isinstance(state, dict):
+        raise ValueError(f"--init-from {path}: expected a state_dict, got {type(state).__name__}")
+    return state
+
+
+def train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> torch.Tensor:
+    """One optimizer step on one (shard of a) global batch; returns the detached loss."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()

@@ -1,0 +1,56 @@
+"""Plain single-process PyTorch training: the reference every strategy must reproduce.
+
+Written out by hand, without raypar's training helpers, so a bug shared by those helpers and
+the strategies cannot hide in both sides of a comparison.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models import build_model
+
+
+def reference_train(
+    *,
+    model: str,
+    features: torch.Tensor,
+    targets: torch.Tensor,
+    out_features: int,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    shuffle: bool = True,
+    optimizer: str = "sgd",
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    init_state: dict | None = None,
+    **model_options,
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    torch.manual_seed(seed)
+    net = build_model(model, features.shape[1], out_features, **model_options)
+    if init_state is not None:
+        net.load_state_dict(init_state)
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    else:
+        opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
+    loss_fn = nn.CrossEntropyLoss() if targets.dtype == torch.int64 else nn.MSELoss()
+    n = len(features)
+    losses = []
+    for epoch in range(epochs):
+        if shuffle:
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+        else:
+            order = torch.arange(n)
+        total, steps = 0.0, n // batch_size
+        for step in range(steps):
+            rows = order[step * batch_size : (step + 1) * batch_size]
+            loss = loss_fn(net(features[rows]), targets[rows])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += loss.item()
+        losses.append(total / steps)
+    return net.state_dict(), losses

@@ -1,0 +1,101 @@
+"""Configuration validation and the flags generated from it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ray_jobs.checkpoint import load_named_optimizer_state, named_optimizer_state
+from ray_jobs.config import ArgumentParser, TrainConfig, WorkerScaling, add_flags, from_args, require_divisible
+from ray_jobs.dp import DataParallelScaling
+from ray_jobs.training import epoch_order, global_batches, shard
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"model": "gpt"}, "--model 'gpt' is unknown"),
+        ({"optimizer": "lion"}, "--optimizer 'lion' is unknown; valid: sgd, adamw"),
+        ({"epochs": 0}, "--epochs must be at least 1, got 0"),
+        ({"batch_size": -4}, "--batch-size must be at least 1, got -4"),
+        ({"lr": 0}, "--lr must be positive"),
+        ({"momentum": -0.1}, "--momentum must be zero or more"),
+        ({"max_failures": -1}, "--max-failures must be zero or more"),
+        ({"hidden": 0}, "--hidden must be at least 1"),
+        ({"optimizer": "adamw", "momentum": 0.9}, "--momentum applies to --optimizer sgd only"),
+        ({"checkpoint_every": 0}, "--checkpoint-every must be at least 1"),
+    ],
+)
+def test_train_config_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_workers": 0}, "--num-workers must be at least 1, got 0"),
+        ({"num_workers": -2}, "--num-workers must be at least 1"),
+        ({"cpus_per_worker": 0}, "--cpus-per-worker must be positive"),
+        ({"gpus_per_worker": 0.5}, "--gpus-per-worker needs --use-gpu"),
+        ({"placement_strategy": "RANDOM"}, "--placement-strategy 'RANDOM' is unknown"),
+    ],
+)
+def test_scaling_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        WorkerScaling(**kwargs)
+
+
+def test_gpu_resources_per_worker():
+    assert WorkerScaling(use_gpu=True).resources_per_worker == {"CPU": 1.0, "GPU": 1.0}
+    assert WorkerScaling(use_gpu=True, gpus_per_worker=0.25).resources_per_worker == {"CPU": 1.0, "GPU": 0.25}
+    assert DataParallelScaling(gpus=4).workers().resources_per_worker == {"CPU": 1.0, "GPU": 4.0}
+    assert DataParallelScaling().workers().resources_per_worker == {"CPU": 1.0}
+
+
+def test_batch_must_divide():
+    require_divisible(32, 4, "--num-workers")
+    with pytest.raises(ValueError, match="--batch-size 30 is not divisible by --num-workers 4"):
+        require_divisible(30, 4, "--num-workers")
+
+
+def test_flags_round_trip():
+    parser = ArgumentParser()
+    add_flags(parser, TrainConfig, "training")
+    add_flags(parser, WorkerScaling, "placement")
+    args = parser.parse_args(["--no-shuffle", "--epochs", "5", "--use-gpu", "--gpus-per-worker", "0.5", "--depth", "3"])
+    cfg, scaling = from_args(TrainConfig, args), from_args(WorkerScaling, args)
+    assert (cfg.shuffle, cfg.epochs, cfg.depth, cfg.hidden) == (False, 5, 3, None)
+    assert (scaling.use_gpu, scaling.gpus_per_worker) == (True, 0.5)
+    assert from_args(TrainConfig, parser.parse_args([])) == TrainConfig()
+
+
+def test_epoch_order_is_the_distributed_sampler_order():
+    from torch.utils.data import DistributedSampler
+
+    sampler = DistributedSampler(range(10), num_replicas=1, rank=0, shuffle=True, seed=3)
+    sampler.set_epoch(2)
+    assert epoch_order(10, seed=3, epoch=2, shuffle=True).tolist() == list(sampler)
+    assert epoch_order(4, seed=3, epoch=0, shuffle=False).tolist() == [0, 1, 2, 3]
+
+
+def test_global_batches_drop_the_last_partial_batch_and_shard_evenly():
+    batches = global_batches(torch.arange(10), 4)
+    assert [b.tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [shard(batches[1], 2, i).tolist() for i in range(2)] == [[4, 5], [6, 7]]
+
+
+def test_optimizer_state_round_trips_by_parameter_name():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    named = named_optimizer_state(optimizer, dict(model.named_parameters()))
+    assert set(named["state"]) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    # A "stage" that holds only the second layer restores just its own parameters' state.
+    stage = torch.nn.Sequential()
+    stage.add_module("1", model[1])
+    stage_optimizer = torch.optim.SGD(stage.parameters(), lr=0.5)
+    load_named_optimizer_state(stage_optimizer, dict(stage.named_parameters()), named)
+    restored = stage_optimizer.state_dict()
+    assert restored["param_groups"][0]["momentum"] == 0.9 and restored["param_groups"][0]["lr"] == 0.1
+    torch.testing.assert_close(restored["state"][0]["momentum_buffer"], named["state"]["1.weight"]["momentum_buffer"])
