@@ -103,6 +103,9 @@ class WorkerScaling:
                 f"valid: {', '.join(PLACEMENT_STRATEGIES)}"
             )
 
+    def check_batch(self, batch_size: int) -> None:
+        require_divisible(batch_size, self.num_workers, "--num-workers")
+
     @property
     def resources_per_worker(self) -> dict[str, float]:
         resources = {"CPU": self.cpus_per_worker}

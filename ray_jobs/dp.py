@@ -30,6 +30,9 @@ class DataParallelScaling:
         _require(self.gpus >= 0, "gpus", self.gpus, "zero or more")
         _require(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "positive")
 
+    def check_batch(self, batch_size: int) -> None:
+        """One worker takes the whole global batch; DataParallel splits it unevenly if it must."""
+
     def workers(self) -> WorkerScaling:
         gpus = float(self.gpus) if self.gpus else None
         return WorkerScaling(1, self.gpus > 0, self.cpus_per_worker, gpus, "PACK")

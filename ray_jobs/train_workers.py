@@ -16,7 +16,7 @@ from ray.train.torch import TorchTrainer
 from torch import nn
 
 from ray_jobs.checkpoint import load_checkpoint
-from ray_jobs.config import WorkerScaling, require_divisible
+from ray_jobs.config import WorkerScaling
 from ray_jobs.loop import LoopConfig, train_loop_per_worker
 from ray_jobs.preflight import check_bundles
 from ray_jobs.runner import PreparedRun, finish
@@ -36,7 +36,7 @@ def run_workers(
 ) -> TrainSummary:
     """Train ``prepared`` with ``scaling.num_workers`` Ray Train workers; Ray must be connected."""
     cfg = prepared.cfg
-    require_divisible(cfg.batch_size, scaling.num_workers, "--num-workers")
+    scaling.check_batch(cfg.batch_size)
     bundles = [scaling.resources_per_worker] * scaling.num_workers
     check_bundles(bundles, scaling.placement_strategy, f"--num-workers {scaling.num_workers}")
     loop = LoopConfig(

@@ -1,0 +1,68 @@
+"""Entry points: bad input is one ``error:`` line and a non-zero exit, before Ray is touched."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from models import build_model
+from ray_jobs import ddp, dp
+
+BAD_INPUT = [
+    (["--num-workers", "0"], "error: --num-workers must be at least 1, got 0"),
+    (["--num-workers", "4", "--batch-size", "30"], "error: --batch-size 30 is not divisible by --num-workers 4"),
+    (["--model", "vit"], "error: --model 'vit' is unknown; valid models: mlp, seed-linear, seed-mlp, seed-split"),
+    (["--model", "seed-linear", "--hidden", "4"], "error: model 'seed-linear' does not take --hidden"),
+    (["--epochs", "-1"], "error: --epochs must be at least 1, got -1"),
+    (["--placement-strategy", "ANY"], "error: --placement-strategy 'ANY' is unknown"),
+    (["--data", "/nonexistent/data.parquet"], "error: --data /nonexistent/data.parquet: no such file or directory"),
+    (["--batch-size", "4096"], "error: the dataset has 1024 rows, fewer than one global batch (--batch-size 4096)"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_INPUT)
+def test_ddp_bad_input(argv, message, capsys, tmp_path):
+    assert ddp.main([*argv, "--storage-path", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err
+    assert len(err.splitlines()) == 1
+    assert not any(tmp_path.iterdir())  # nothing a later resume could trust
+
+
+def test_argparse_errors_exit_2_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        dp.main(["--gpus", "x"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "python -m ray_jobs.dp: error: argument --gpus: invalid int value: 'x' (see --help)"
+    ]
+
+
+def test_init_from_that_does_not_match_the_model(tmp_path, capsys):
+    weights = tmp_path / "other.pt"
+    torch.save(build_model("seed-mlp", 10, 5, hidden=3).state_dict(), weights)
+    assert dp.main(["--init-from", str(weights), "--storage-path", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert "error: --init-from" in err and "does not match --model seed-mlp with 10 inputs and 5 outputs" in err
+    (tmp_path / "junk.pt").write_text("junk")
+    assert dp.main(["--init-from", str(tmp_path / "junk.pt")]) == 2
+    assert "not a torch state_dict" in capsys.readouterr().err
+
+
+def test_unwritable_storage_path(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert ddp.main(["--storage-path", str(blocker / "runs")]) == 2
+    assert "error: --storage-path" in capsys.readouterr().err
+
+
+def test_a_real_process_prints_no_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "ray_jobs.ddp", "--num-workers", "3", "--batch-size", "10"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: --batch-size 10 is not divisible by --num-workers 3"
+    assert "Traceback" not in result.stdout + result.stderr

@@ -1,0 +1,26 @@
+"""Requests the cluster can never meet fail at once with one line, instead of Ray retrying forever."""
+from __future__ import annotations
+
+import pytest
+
+from ray_jobs import ddp
+from ray_jobs.config import TrainConfig, WorkerScaling
+from ray_jobs.preflight import ResourceError
+from ray_jobs.runner import prepare
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.mark.parametrize(
+    ("scaling", "message"),
+    [
+        (WorkerScaling(num_workers=2, use_gpu=True), r"--num-workers 2 asks for 2 GPU in all; the cluster has 0 GPU"),
+        (WorkerScaling(num_workers=8), r"--num-workers 8 asks for 8 CPU in all; the cluster has 4 CPU"),
+        (WorkerScaling(num_workers=1, cpus_per_worker=6), r"asks for 6 CPU in all; the cluster has 4 CPU"),
+        (WorkerScaling(num_workers=2, placement_strategy="STRICT_SPREAD"), r"STRICT_SPREAD needs 2 nodes; the cluster has 1"),
+    ],
+)
+def test_impossible_requests_fail_before_fit(ray_cluster, regression_data, tmp_path, scaling, message):
+    cfg = TrainConfig(data=regression_data, batch_size=16, storage_path=str(tmp_path), name="never")
+    with pytest.raises(ResourceError, match=message):
+        ddp.run(prepare(cfg, "ddp"), scaling)
