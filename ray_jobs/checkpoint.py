@@ -7,6 +7,7 @@ completed epochs, the per-epoch losses so far, and torch's RNG state.
 """
 from __future__ import annotations
 
+import io
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -25,10 +26,21 @@ class TrainState:
     rng: torch.Tensor = field(default_factory=torch.get_rng_state)
 
 
+def to_bytes(state: TrainState) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(asdict(state), buffer)
+    return buffer.getvalue()
+
+
+def from_bytes(data: bytes) -> TrainState:
+    return TrainState(**torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+
+
 def save_checkpoint(state: TrainState, directory: str) -> str:
     """Write ``checkpoint.pt`` under a temporary name first: a crash never leaves a partial file."""
     path = os.path.join(directory, CHECKPOINT_FILE)
-    torch.save(asdict(state), path + ".partial")
+    with open(path + ".partial", "wb") as file:
+        file.write(to_bytes(state))
     os.replace(path + ".partial", path)
     return path
 
@@ -37,7 +49,16 @@ def load_checkpoint(directory: str) -> TrainState:
     path = os.path.join(directory, CHECKPOINT_FILE)
     if not os.path.isfile(path):
         raise ValueError(f"{directory} is not a raypar checkpoint: {CHECKPOINT_FILE} is missing")
-    return TrainState(**torch.load(path, map_location="cpu", weights_only=True))
+    with open(path, "rb") as file:
+        return from_bytes(file.read())
+
+
+def merge_named_optimizer_states(parts: list[dict]) -> dict:
+    """One optimizer state from the per-stage states of a split model (one param group each)."""
+    merged_group = {**parts[0]["param_groups"][0], "params": []}
+    for part in parts:
+        merged_group["params"] += [name for group in part["param_groups"] for name in group["params"]]
+    return {"state": {k: v for part in parts for k, v in part["state"].items()}, "param_groups": [merged_group]}
 
 
 def named_optimizer_state(optimizer: torch.optim.Optimizer, named_params: dict[str, nn.Parameter]) -> dict:

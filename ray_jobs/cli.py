@@ -29,7 +29,7 @@ def entry_point(
     args = parser.parse_args(argv)
     try:
         cfg, scaling = from_args(TrainConfig, args), from_args(scaling_cls, args)
-        scaling.check_batch(cfg.batch_size)
+        scaling.check(cfg)
         prepared = prepare(cfg, strategy)
         connect(args.address)
         summary = run(prepared, scaling)

@@ -103,8 +103,9 @@ class WorkerScaling:
                 f"valid: {', '.join(PLACEMENT_STRATEGIES)}"
             )
 
-    def check_batch(self, batch_size: int) -> None:
-        require_divisible(batch_size, self.num_workers, "--num-workers")
+    def check(self, cfg: TrainConfig) -> None:
+        """Checks that need both configs, run before Ray is touched."""
+        require_divisible(cfg.batch_size, self.num_workers, "--num-workers")
 
     @property
     def resources_per_worker(self) -> dict[str, float]:

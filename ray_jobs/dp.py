@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ray_jobs.cli import entry_point
-from ray_jobs.config import WorkerScaling, _doc, _require
+from ray_jobs.config import TrainConfig, WorkerScaling, _doc, _require
 from ray_jobs.runner import PreparedRun
 from ray_jobs.summary import TrainSummary
 from ray_jobs.train_workers import run_workers
@@ -30,8 +30,8 @@ class DataParallelScaling:
         _require(self.gpus >= 0, "gpus", self.gpus, "zero or more")
         _require(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "positive")
 
-    def check_batch(self, batch_size: int) -> None:
-        """One worker takes the whole global batch; DataParallel splits it unevenly if it must."""
+    def check(self, cfg: TrainConfig) -> None:
+        """One worker takes the whole global batch, so any batch size works."""
 
     def workers(self) -> WorkerScaling:
         gpus = float(self.gpus) if self.gpus else None

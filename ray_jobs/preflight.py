@@ -30,7 +30,7 @@ def check_bundles(bundles: list[dict[str, float]], strategy: str, what: str) -> 
         if totals.get(key, 0.0) + 1e-9 < value:
             raise ResourceError(
                 f"{what} asks for {value:g} {key} in all; the cluster has {totals.get(key, 0.0):g} {key} "
-                f"({len(nodes)} node(s): {_fmt(totals) or 'nothing'})"
+                f"({len(nodes)} node(s): {_fmt({k: v for k, v in totals.items() if k in ('CPU', 'GPU', *asked)})})"
             )
     fits = [sum(all(node.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items()) for node in nodes) for bundle in bundles]
     if bundles and min(fits) == 0:

@@ -53,3 +53,16 @@ def check_writable(uri: str) -> None:
         filesystem.delete_file(path)
     except OSError as error:
         raise ValueError(f"--storage-path {uri} is not writable ({str(error).splitlines()[0]})") from None
+
+
+def list_dir(uri: str) -> list[str]:
+    """Names directly under ``uri``; empty when it does not exist."""
+    filesystem, path = resolve(uri)
+    if filesystem.get_file_info(path).type != pafs.FileType.Directory:
+        return []
+    return sorted(info.base_name for info in filesystem.get_file_info(pafs.FileSelector(path)))
+
+
+def delete_dir(uri: str) -> None:
+    filesystem, path = resolve(uri)
+    filesystem.delete_dir(path)

@@ -36,7 +36,7 @@ def run_workers(
 ) -> TrainSummary:
     """Train ``prepared`` with ``scaling.num_workers`` Ray Train workers; Ray must be connected."""
     cfg = prepared.cfg
-    scaling.check_batch(cfg.batch_size)
+    scaling.check(cfg)
     bundles = [scaling.resources_per_worker] * scaling.num_workers
     check_bundles(bundles, scaling.placement_strategy, f"--num-workers {scaling.num_workers}")
     loop = LoopConfig(

@@ -5,7 +5,7 @@ import dataclasses
 
 import torch
 
-from ray_jobs import ddp, dp
+from ray_jobs import ddp, dp, pipeline
 from ray_jobs.config import TrainConfig, WorkerScaling
 from ray_jobs.data import read_dataset
 from ray_jobs.runner import prepare
@@ -19,12 +19,14 @@ def tensors(path: str) -> tuple[torch.Tensor, torch.Tensor, int]:
     return torch.from_numpy(dataset.features.copy()), torch.from_numpy(dataset.targets.copy()), dataset.out_features
 
 
-def run_strategy(strategy: str, cfg: TrainConfig, num_workers: int = 1, **options) -> TrainSummary:
+def run_strategy(strategy: str, cfg: TrainConfig, num_workers: int = 1, scaling=None, **options) -> TrainSummary:
     """Run a strategy through the same Python API its entry point uses."""
     prepared = prepare(cfg, strategy)
     if strategy == "ddp":
-        return ddp.run(prepared, WorkerScaling(num_workers=num_workers), **options)
-    return dp.run(prepared, dp.DataParallelScaling(), **options)
+        return ddp.run(prepared, scaling or WorkerScaling(num_workers=num_workers), **options)
+    if strategy == "pipeline":
+        return pipeline.run(prepared, scaling, **options)
+    return dp.run(prepared, scaling or dp.DataParallelScaling(), **options)
 
 
 def reference_for(cfg: TrainConfig, init_state: dict | None = None):

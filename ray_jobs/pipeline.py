@@ -1,0 +1,249 @@
+"""Model (pipeline) parallel: ``python -m ray_jobs.pipeline --num-stages S --num-microbatches M``.
+
+The model is cut into S stages (``models.split_into_stages``), each a Ray actor with its own
+GPU (or CPUs), placed with one placement-group bundle per stage. Each global batch is cut into
+M micro-batches; activations flow forward and gradients back between the actors as object
+references (never fetched by the driver), in the order a schedule (GPipe or 1F1B) gives.
+"""
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+
+import ray
+from ray.exceptions import RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from models import build_model, split_into_stages
+from ray_jobs import storage
+from ray_jobs.checkpoint import TrainState, from_bytes, merge_named_optimizer_states, to_bytes
+from ray_jobs.cli import entry_point
+from ray_jobs.config import PLACEMENT_STRATEGIES, TrainConfig, _doc, _require, require_divisible
+from ray_jobs.preflight import check_bundles
+from ray_jobs.runner import PreparedRun, finish
+from ray_jobs.schedules import BACKWARD, FORWARD, SCHEDULES, execution_order
+from ray_jobs.stage import StageWorker
+from ray_jobs.summary import TrainSummary
+from ray_jobs.train_workers import TrainingFailed
+from ray_jobs.training import epoch_order, global_batches, shard
+
+CHECKPOINT_PREFIX = "checkpoint_epoch_"
+PLACEMENT_TIMEOUT_S = 120.0
+TRANSPORT = "actor_calls"
+
+
+@dataclass
+class PipelineScaling:
+    """How the model is cut and where its stages run."""
+
+    num_stages: int = field(default=2, metadata=_doc("pipeline stages, one Ray actor (and GPU) each"))
+    num_microbatches: int = field(default=4, metadata=_doc("micro-batches per global batch"))
+    schedule: str = field(default="1f1b", metadata=_doc("micro-batch schedule", choices=sorted(SCHEDULES)))
+    use_gpu: bool = field(default=False, metadata=_doc("one GPU per stage (default: CPU)"))
+    cpus_per_stage: float = field(default=1.0, metadata=_doc("CPUs per stage actor; also its torch threads"))
+    placement_strategy: str = field(
+        default="PACK", metadata=_doc("PACK keeps neighbouring stages on one node", choices=PLACEMENT_STRATEGIES)
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.num_stages >= 1, "num_stages", self.num_stages, "at least 1")
+        _require(self.num_microbatches >= 1, "num_microbatches", self.num_microbatches, "at least 1")
+        _require(self.cpus_per_stage > 0, "cpus_per_stage", self.cpus_per_stage, "positive")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule {self.schedule!r} is unknown; valid: {', '.join(sorted(SCHEDULES))}")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"--placement-strategy {self.placement_strategy!r} is unknown; "
+                             f"valid: {', '.join(PLACEMENT_STRATEGIES)}")
+
+    def check(self, cfg: TrainConfig) -> None:
+        """Checks that need both configs, run before Ray is touched."""
+        require_divisible(cfg.batch_size, self.num_microbatches, "--num-microbatches")
+        # Layer count does not depend on the data's widths, so any widths tell whether S fits.
+        split_into_stages(build_model(cfg.model, 1, 1, **cfg.model_options), self.num_stages)
+
+    @property
+    def bundles(self) -> list[dict[str, float]]:
+        bundle = {"CPU": self.cpus_per_stage, **({"GPU": 1.0} if self.use_gpu else {})}
+        return [dict(bundle) for _ in range(self.num_stages)]
+
+
+class Pipeline:
+    """The stage actors of one attempt, in their own placement group."""
+
+    def __init__(self, prepared: PreparedRun, scaling: PipelineScaling) -> None:
+        self.scaling = scaling
+        self.group = placement_group(scaling.bundles, strategy=scaling.placement_strategy)
+        ready, _ = ray.wait([self.group.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            remove_placement_group(self.group)
+            raise TrainingFailed(f"the {scaling.num_stages} stage bundles {scaling.bundles[0]} were not placed "
+                                 f"within {PLACEMENT_TIMEOUT_S:.0f} s ({scaling.placement_strategy})")
+        dataset, initial = ray.put(prepared.dataset), ray.put(prepared.initial_state)
+        self.actors = [self._start(index, prepared, dataset, initial) for index in range(scaling.num_stages)]
+        self.nodes = ray.get([actor.node_id.remote() for actor in self.actors])
+        self.order = execution_order(SCHEDULES[scaling.schedule](scaling.num_stages, scaling.num_microbatches))
+
+    def _start(self, index: int, prepared: PreparedRun, dataset, initial):
+        options = dict(
+            num_cpus=self.scaling.cpus_per_stage,
+            num_gpus=1 if self.scaling.use_gpu else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index),
+        )
+        actor_cls = ray.remote(StageWorker).options(**options)
+        return actor_cls.remote(
+            index, self.scaling.num_stages, self.scaling.num_microbatches, asdict(prepared.cfg), dataset, initial,
+            max(1, int(self.scaling.cpus_per_stage)), self.scaling.use_gpu,
+        )
+
+    def train_batch(self, batch) -> float:
+        """Run one global batch through the schedule, then step every stage; returns its loss."""
+        last = self.scaling.num_stages - 1
+        rows = [shard(batch, self.scaling.num_microbatches, m) for m in range(self.scaling.num_microbatches)]
+        outputs = {}
+        for stage, op in self.order:
+            m = op.microbatch
+            if op.kind == FORWARD:
+                activation = outputs[(stage - 1, FORWARD, m)] if stage > 0 else None
+                outputs[(stage, FORWARD, m)] = self.actors[stage].forward.remote(m, activation, rows[m])
+            else:
+                grad = outputs[(stage + 1, BACKWARD, m)] if stage < last else None
+                outputs[(stage, BACKWARD, m)] = self.actors[stage].backward.remote(m, grad)
+        return ray.get([actor.step.remote() for actor in self.actors])[last]
+
+    def gather_state(self) -> tuple[dict, dict]:
+        parts = ray.get([actor.state.remote() for actor in self.actors])
+        weights = {k: v for stage_weights, _ in parts for k, v in stage_weights.items()}
+        return weights, merge_named_optimizer_states([optimizer for _, optimizer in parts])
+
+    def take_timing(self) -> tuple[float, int]:
+        timings = ray.get([actor.take_timing.remote() for actor in self.actors])
+        return sum(busy for busy, _ in timings), max(peak for _, peak in timings)
+
+    def restore(self, state: TrainState) -> None:
+        ray.get([actor.restore.remote(state) for actor in self.actors])
+
+    def describe_failure(self, error: RayActorError) -> str:
+        for index, actor in enumerate(self.actors):
+            if actor._actor_id.hex() == getattr(error, "actor_id", None):
+                return f"stage {index} actor on node {self.nodes[index]} died"
+        return f"a stage actor died ({type(error).__name__})"
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+        remove_placement_group(self.group)
+
+
+def latest_checkpoint(run_dir: str) -> TrainState | None:
+    """The newest complete pipeline checkpoint of a run (each is written atomically)."""
+    for name in reversed(storage.list_dir(run_dir)):
+        path = storage.join(run_dir, name, "checkpoint.pt")
+        if name.startswith(CHECKPOINT_PREFIX) and storage.exists(path):
+            return from_bytes(storage.read_bytes(path))
+    return None
+
+
+def save_pipeline_checkpoint(run_dir: str, state: TrainState, num_to_keep: int) -> None:
+    name = f"{CHECKPOINT_PREFIX}{state.epochs_completed:06d}"
+    storage.write_bytes(storage.join(run_dir, name, "checkpoint.pt"), to_bytes(state))
+    kept = [n for n in storage.list_dir(run_dir) if n.startswith(CHECKPOINT_PREFIX)]
+    for old in kept[:-num_to_keep]:
+        storage.delete_dir(storage.join(run_dir, old))
+
+
+@dataclass
+class Attempt:
+    """Progress of one attempt; what survives a restart is only what was checkpointed."""
+
+    state: TrainState
+    resumed_from_epoch: int | None
+    samples: int = 0
+    seconds: float = 0.0
+    busy_seconds: float = 0.0
+    peak_alive: int = 0
+
+
+def _train_epochs(pipeline: Pipeline, prepared: PreparedRun, attempt: Attempt, crash_at_epoch: int | None) -> None:
+    cfg, state = prepared.cfg, attempt.state
+    for epoch in range(state.epochs_completed, cfg.epochs):
+        began = time.perf_counter()
+        batches = global_batches(epoch_order(prepared.dataset.num_rows, cfg.seed, epoch, cfg.shuffle), cfg.batch_size)
+        total = 0.0
+        for step, batch in enumerate(batches):
+            if crash_at_epoch == epoch and attempt.resumed_from_epoch is None and step == 1:
+                pipeline.actors[-1].crash.remote()
+            total += pipeline.train_batch(batch)
+        attempt.seconds += time.perf_counter() - began
+        attempt.samples += len(batches) * cfg.batch_size
+        busy, peak = pipeline.take_timing()
+        attempt.busy_seconds, attempt.peak_alive = attempt.busy_seconds + busy, max(attempt.peak_alive, peak)
+        state.losses.append(total / len(batches))
+        state.epochs_completed = epoch + 1
+        print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {state.losses[-1]:.6f}", flush=True)
+        if state.epochs_completed % cfg.checkpoint_every == 0 or state.epochs_completed == cfg.epochs:
+            state.model, state.optimizer = pipeline.gather_state()
+            save_pipeline_checkpoint(prepared.run_dir, state, cfg.num_checkpoints_to_keep)
+
+
+def _start_attempt(pipeline: Pipeline, prepared: PreparedRun) -> Attempt:
+    checkpoint = latest_checkpoint(prepared.run_dir)
+    if checkpoint is None:
+        return Attempt(TrainState(dict(prepared.initial_state), {}, 0, []), None)
+    pipeline.restore(checkpoint)
+    print(f"[raypar] resuming from the checkpoint after epoch {checkpoint.epochs_completed}", flush=True)
+    return Attempt(checkpoint, checkpoint.epochs_completed)
+
+
+def run(prepared: PreparedRun, scaling: PipelineScaling, crash_at_epoch: int | None = None) -> TrainSummary:
+    """Train ``prepared`` on a pipeline of stage actors; Ray must be connected."""
+    cfg = prepared.cfg
+    scaling.check(cfg)
+    if scaling.num_microbatches < scaling.num_stages:
+        warnings.warn(f"--num-microbatches {scaling.num_microbatches} < --num-stages {scaling.num_stages}: "
+                      "the pipeline can never fill, some stages always idle", stacklevel=2)
+    check_bundles(scaling.bundles, scaling.placement_strategy, f"--num-stages {scaling.num_stages}")
+    for failures in range(cfg.max_failures + 1):
+        pipeline = Pipeline(prepared, scaling)
+        try:
+            attempt = _start_attempt(pipeline, prepared)
+            _train_epochs(pipeline, prepared, attempt, crash_at_epoch)
+            if attempt.state.optimizer == {}:  # a finished run re-run: nothing trained, weights as saved
+                attempt.state.model, attempt.state.optimizer = pipeline.gather_state()
+            return _finish(prepared, scaling, pipeline, attempt)
+        except RayActorError as error:
+            reason = pipeline.describe_failure(error)
+            if failures == cfg.max_failures:
+                raise TrainingFailed(f"{reason}; --max-failures {cfg.max_failures} exhausted") from error
+            print(f"[raypar] {reason}; restarting the pipeline from the latest checkpoint", flush=True)
+        finally:
+            pipeline.shutdown()
+    raise AssertionError("unreachable")
+
+
+def _finish(prepared: PreparedRun, scaling: PipelineScaling, pipeline: Pipeline, attempt: Attempt) -> TrainSummary:
+    wall = attempt.seconds * scaling.num_stages
+    extra = {
+        "stage_nodes": pipeline.nodes,
+        "transport": TRANSPORT,
+        "schedule": scaling.schedule,
+        "num_stages": scaling.num_stages,
+        "num_microbatches": scaling.num_microbatches,
+        "bubble_fraction": 1.0 - attempt.busy_seconds / wall if wall else None,
+        "peak_live_microbatches": attempt.peak_alive,
+    }
+    metrics = {
+        "samples_per_second": attempt.samples / attempt.seconds if attempt.seconds else None,
+        "resumed_from_epoch": attempt.resumed_from_epoch,
+    }
+    return finish(prepared, attempt.state, metrics, scaling.num_stages, {"scaling": asdict(scaling)}, extra)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return entry_point("pipeline", PipelineScaling, run, argv, __doc__)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""Pipeline schedules as pure data: each stage's ordered list of forward/backward operations.
+
+The pipeline runner only executes these lists; their correctness (every micro-batch forwarded
+and backwarded once per stage, dependencies respected, 1F1B's memory bound) is unit-tested.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+FORWARD, BACKWARD = "F", "B"
+
+
+class Op(NamedTuple):
+    kind: str  # FORWARD or BACKWARD
+    microbatch: int
+
+    def __repr__(self) -> str:
+        return f"{self.kind}{self.microbatch}"
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> list[list[Op]]:
+    """GPipe: every stage runs all forwards, then all backwards (in reverse micro-batch order
+    is not needed: gradients accumulate, so backward order only has to follow dependencies)."""
+    _check(num_stages, num_microbatches)
+    ops = [Op(FORWARD, m) for m in range(num_microbatches)] + [Op(BACKWARD, m) for m in range(num_microbatches)]
+    return [list(ops) for _ in range(num_stages)]
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Op]]:
+    """1F1B (PipeDream-flush): stage s warms up with S-s-1 forwards, then alternates one
+    forward and one backward, then drains; at most S-s micro-batches' activations are alive."""
+    _check(num_stages, num_microbatches)
+    schedules = []
+    for stage in range(num_stages):
+        warmup = min(num_stages - stage - 1, num_microbatches)
+        ops = [Op(FORWARD, m) for m in range(warmup)]
+        next_forward, next_backward = warmup, 0
+        while next_forward < num_microbatches:
+            ops += [Op(FORWARD, next_forward), Op(BACKWARD, next_backward)]
+            next_forward, next_backward = next_forward + 1, next_backward + 1
+        ops += [Op(BACKWARD, m) for m in range(next_backward, num_microbatches)]
+        schedules.append(ops)
+    return schedules
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def dependency(stage: int, op: Op, num_stages: int) -> tuple[int, Op] | None:
+    """The op on another stage whose output this op consumes, if any."""
+    if op.kind == FORWARD:
+        return (stage - 1, op) if stage > 0 else None
+    if stage == num_stages - 1:
+        return None  # the last stage's backward starts from its own loss
+    return (stage + 1, op)
+
+
+def execution_order(schedules: list[list[Op]]) -> list[tuple[int, Op]]:
+    """One global order that keeps each stage's own order and puts every op after its dependency.
+
+    Raises ``ValueError`` if none exists (the schedule would deadlock).
+    """
+    num_stages = len(schedules)
+    position = [0] * num_stages
+    done: set[tuple[int, Op]] = set()
+    order: list[tuple[int, Op]] = []
+    total = sum(len(ops) for ops in schedules)
+    while len(order) < total:
+        progressed = False
+        for stage, ops in enumerate(schedules):
+            while position[stage] < len(ops):
+                op = ops[position[stage]]
+                needed = dependency(stage, op, num_stages)
+                if op.kind == BACKWARD and (stage, Op(FORWARD, op.microbatch)) not in done:
+                    break
+                if needed is not None and needed not in done:
+                    break
+                done.add((stage, op))
+                order.append((stage, op))
+                position[stage] += 1
+                progressed = True
+        if not progressed:
+            stuck = {stage: ops[position[stage]] for stage, ops in enumerate(schedules) if position[stage] < len(ops)}
+            raise ValueError(f"schedule deadlocks: stages wait on each other at {stuck}")
+    return order
+
+
+def peak_live_activations(ops: list[Op]) -> int:
+    """Most micro-batches forwarded but not yet backwarded at any point of one stage's list."""
+    live = peak = 0
+    for op in ops:
+        live += 1 if op.kind == FORWARD else -1
+        peak = max(peak, live)
+    return peak
+
+
+def _check(num_stages: int, num_microbatches: int) -> None:
+    if num_stages < 1:
+        raise ValueError(f"--num-stages must be at least 1, got {num_stages}")
+    if num_microbatches < 1:
+        raise ValueError(f"--num-microbatches must be at least 1, got {num_microbatches}")
