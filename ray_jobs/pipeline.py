@@ -13,7 +13,8 @@ import warnings
 from dataclasses import asdict, dataclass, field
 
 import ray
-from ray.exceptions import RayActorError
+from ray.dag import InputNode, MultiOutputNode
+from ray.exceptions import RayActorError, RayChannelError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -32,7 +33,9 @@ from ray_jobs.training import epoch_order, global_batches, shard
 
 CHECKPOINT_PREFIX = "checkpoint_epoch_"
 PLACEMENT_TIMEOUT_S = 120.0
-TRANSPORT = "actor_calls"
+TRANSPORTS = ("auto", "compiled", "actor_calls")
+# What a dead stage looks like to the driver, through either transport.
+STAGE_FAILURES = (RayActorError, RayChannelError)
 
 
 @dataclass
@@ -47,8 +50,15 @@ class PipelineScaling:
     placement_strategy: str = field(
         default="PACK", metadata=_doc("PACK keeps neighbouring stages on one node", choices=PLACEMENT_STRATEGIES)
     )
+    transport: str = field(
+        default="auto",
+        metadata=_doc("compiled: a Ray Compiled Graph (nccl between GPUs); actor_calls: plain actor calls; "
+                      "auto: compiled, falling back to actor calls", choices=TRANSPORTS),
+    )
 
     def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"--transport {self.transport!r} is unknown; valid: {', '.join(TRANSPORTS)}")
         _require(self.num_stages >= 1, "num_stages", self.num_stages, "at least 1")
         _require(self.num_microbatches >= 1, "num_microbatches", self.num_microbatches, "at least 1")
         _require(self.cpus_per_stage > 0, "cpus_per_stage", self.cpus_per_stage, "positive")
@@ -85,6 +95,23 @@ class Pipeline:
         self.actors = [self._start(index, prepared, dataset, initial) for index in range(scaling.num_stages)]
         self.nodes = ray.get([actor.node_id.remote() for actor in self.actors])
         self.order = execution_order(SCHEDULES[scaling.schedule](scaling.num_stages, scaling.num_microbatches))
+        self.transport, self.compiled = self._compile()
+
+    @property
+    def device_transport(self) -> bool:
+        return self.scaling.use_gpu and self.scaling.transport != "actor_calls"
+
+    def _compile(self):
+        if self.scaling.transport == "actor_calls":
+            return "actor_calls", None
+        try:
+            graph = build_graph(self.actors, self.order, self.device_transport)
+            return ("compiled_graph_nccl" if self.device_transport else "compiled_graph"), graph.experimental_compile()
+        except Exception as error:  # Ray raises several types for graphs it cannot compile
+            if self.scaling.transport == "compiled":
+                raise TrainingFailed(f"--transport compiled: the compiled graph failed to build: {error}") from error
+            warnings.warn(f"compiled graph unavailable ({error}); using plain actor calls", stacklevel=2)
+            return "actor_calls", None
 
     def _start(self, index: int, prepared: PreparedRun, dataset, initial):
         options = dict(
@@ -95,13 +122,15 @@ class Pipeline:
         actor_cls = ray.remote(StageWorker).options(**options)
         return actor_cls.remote(
             index, self.scaling.num_stages, self.scaling.num_microbatches, asdict(prepared.cfg), dataset, initial,
-            max(1, int(self.scaling.cpus_per_stage)), self.scaling.use_gpu,
+            max(1, int(self.scaling.cpus_per_stage)), self.scaling.use_gpu, self.device_transport,
         )
 
     def train_batch(self, batch) -> float:
         """Run one global batch through the schedule, then step every stage; returns its loss."""
         last = self.scaling.num_stages - 1
         rows = [shard(batch, self.scaling.num_microbatches, m) for m in range(self.scaling.num_microbatches)]
+        if self.compiled is not None:
+            return ray.get(self.compiled.execute(*rows))[last]
         outputs = {}
         for stage, op in self.order:
             m = op.microbatch
@@ -125,16 +154,50 @@ class Pipeline:
     def restore(self, state: TrainState) -> None:
         ray.get([actor.restore.remote(state) for actor in self.actors])
 
-    def describe_failure(self, error: RayActorError) -> str:
+    def describe_failure(self, error: Exception) -> str:
+        """Name the dead stage by probing each actor: the error alone does not say which."""
         for index, actor in enumerate(self.actors):
-            if actor._actor_id.hex() == getattr(error, "actor_id", None):
+            try:
+                ray.get(actor.node_id.remote(), timeout=10)
+            except Exception:  # dead, or not answering: either way the stage that failed
                 return f"stage {index} actor on node {self.nodes[index]} died"
-        return f"a stage actor died ({type(error).__name__})"
+        return f"a stage failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
 
     def shutdown(self) -> None:
+        if self.compiled is not None:
+            self.compiled.teardown()
         for actor in self.actors:
             ray.kill(actor)
         remove_placement_group(self.group)
+
+
+def build_graph(actors: list, order: list, device_transport: bool) -> MultiOutputNode:
+    """The schedule as a Ray Compiled Graph: one node per op, bound in ``order`` (which each
+    actor then executes in), with activations and gradients on direct actor-to-actor channels."""
+    last = len(actors) - 1
+    outputs, consumed = {}, set()
+    with InputNode() as rows:
+        for stage, op in order:
+            m = op.microbatch
+            if op.kind == FORWARD:
+                source = (stage - 1, FORWARD, m) if stage > 0 else None
+                node = actors[stage].forward.bind(m, outputs[source] if source else None, rows[m])
+            else:
+                source = (stage + 1, BACKWARD, m) if stage < last else (stage, FORWARD, m)
+                node = actors[stage].backward.bind(m, outputs[source])
+            consumed.add(source)
+            sends_tensor = stage < last if op.kind == FORWARD else stage > 0
+            if device_transport and sends_tensor:
+                node = node.with_tensor_transport("nccl")
+            outputs[(stage, op.kind, m)] = node
+        # Every output must feed something, and every node needs an input: a stage's step
+        # waits on its unconsumed outputs and on its last op.
+        steps = []
+        for stage in range(len(actors)):
+            own = [key for key in outputs if key[0] == stage]
+            waits = [key for key in own if key not in consumed or key == own[-1]]
+            steps.append(actors[stage].step.bind(*[outputs[key] for key in waits]))
+        return MultiOutputNode(steps)
 
 
 def latest_checkpoint(run_dir: str) -> TrainState | None:
@@ -213,7 +276,7 @@ def run(prepared: PreparedRun, scaling: PipelineScaling, crash_at_epoch: int | N
             if attempt.state.optimizer == {}:  # a finished run re-run: nothing trained, weights as saved
                 attempt.state.model, attempt.state.optimizer = pipeline.gather_state()
             return _finish(prepared, scaling, pipeline, attempt)
-        except RayActorError as error:
+        except STAGE_FAILURES as error:
             reason = pipeline.describe_failure(error)
             if failures == cfg.max_failures:
                 raise TrainingFailed(f"{reason}; --max-failures {cfg.max_failures} exhausted") from error
@@ -227,7 +290,7 @@ def _finish(prepared: PreparedRun, scaling: PipelineScaling, pipeline: Pipeline,
     wall = attempt.seconds * scaling.num_stages
     extra = {
         "stage_nodes": pipeline.nodes,
-        "transport": TRANSPORT,
+        "transport": pipeline.transport,
         "schedule": scaling.schedule,
         "num_stages": scaling.num_stages,
         "num_microbatches": scaling.num_microbatches,

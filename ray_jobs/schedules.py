@@ -43,7 +43,15 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Op]]:
     return schedules
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def sequential(num_stages: int, num_microbatches: int) -> list[list[Op]]:
+    """No overlap: each micro-batch goes forward and back through every stage before the next
+    starts (the classic two-device model-parallel example); the baseline pipelining must beat."""
+    _check(num_stages, num_microbatches)
+    ops = [op for m in range(num_microbatches) for op in (Op(FORWARD, m), Op(BACKWARD, m))]
+    return [list(ops) for _ in range(num_stages)]
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "sequential": sequential}
 
 
 def dependency(stage: int, op: Op, num_stages: int) -> tuple[int, Op] | None:

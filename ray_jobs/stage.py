@@ -32,10 +32,14 @@ class StageWorker:
         initial_state: dict[str, torch.Tensor],
         num_threads: int,
         use_gpu: bool,
+        device_transport: bool = False,
     ) -> None:
         cfg = TrainConfig(**train)
         torch.set_num_threads(num_threads)
         self.device = torch.device("cuda" if use_gpu else "cpu")
+        # With a GPU-to-GPU channel (compiled graph + nccl) tensors stay on the device;
+        # otherwise they cross process boundaries as CPU tensors.
+        self.device_transport = device_transport
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.num_microbatches = num_microbatches
         model = build_model(cfg.model, dataset.in_features, dataset.out_features, **cfg.model_options)
@@ -71,9 +75,11 @@ class StageWorker:
         self.alive[microbatch] = (x, out)
         self.peak_alive = max(self.peak_alive, len(self.alive))
         self.busy_seconds += time.perf_counter() - began
-        return None if self.is_last else out.detach().cpu()
+        return None if self.is_last else self._send(out.detach())
 
     def backward(self, microbatch: int, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """``grad`` is the next stage's input gradient; the last stage ignores it (its own
+        forward's output is passed only as a dependency in a compiled graph)."""
         began = time.perf_counter()
         x, out = self.alive.pop(microbatch)
         if self.is_last:
@@ -81,9 +87,12 @@ class StageWorker:
         else:
             out.backward(grad.to(self.device))
         self.busy_seconds += time.perf_counter() - began
-        return None if self.is_first else x.grad.detach().cpu()
+        return None if self.is_first else self._send(x.grad.detach())
 
-    def step(self) -> float:
+    def _send(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.device_transport else tensor.cpu()
+
+    def step(self, *_dependencies) -> float:
         """Apply the accumulated gradient; returns this batch's mean loss (last stage) or 0."""
         if self.alive:
             raise RuntimeError(f"step with micro-batches {sorted(self.alive)} still waiting for backward")

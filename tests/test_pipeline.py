@@ -21,11 +21,11 @@ MODELS = {
     "mlp-4": ({"model": "mlp", "hidden": 12, "depth": 5}, 4),
 }
 CASES = [
-    (model, schedule, num_microbatches, shuffle)
+    (model, schedule, num_microbatches, shuffle, transport)
     for model in MODELS
     for schedule in ("gpipe", "1f1b")
-    for num_microbatches, shuffle in ((1, True), (2, False), (4, True))
-]
+    for num_microbatches, shuffle, transport in ((1, True, "compiled"), (2, False, "actor_calls"), (4, True, "compiled"))
+] + [("mlp-3", "sequential", 4, False, "compiled")]
 
 
 @pytest.fixture
@@ -34,11 +34,12 @@ def base(regression_data, tmp_path) -> TrainConfig:
                        momentum=0.9, storage_path=str(tmp_path), name="run")
 
 
-@pytest.mark.parametrize(("model", "schedule", "num_microbatches", "shuffle"), CASES)
-def test_matches_single_process_reference(ray_cluster, base, model, schedule, num_microbatches, shuffle):
+@pytest.mark.parametrize(("model", "schedule", "num_microbatches", "shuffle", "transport"), CASES)
+def test_matches_single_process_reference(ray_cluster, base, model, schedule, num_microbatches, shuffle, transport):
     options, num_stages = MODELS[model]
     cfg = with_(base, shuffle=shuffle, **options)
-    scaling = PipelineScaling(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule)
+    scaling = PipelineScaling(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule,
+                              transport=transport)
     summary = run_strategy("pipeline", cfg, scaling=scaling)
     expected_weights, expected_losses = reference_for(cfg)
     # Micro-batch gradients are summed (each loss divided by M) instead of taken from one
@@ -48,7 +49,8 @@ def test_matches_single_process_reference(ray_cluster, base, model, schedule, nu
     record = json.loads(open(f"{summary.run_dir}/summary.json").read())
     assert record["strategy"] == "pipeline" and record["world_size"] == num_stages
     assert len(record["stage_nodes"]) == num_stages and "worker_nodes" not in record
-    assert record["transport"] and 0.0 <= record["bubble_fraction"] < 1.0
+    assert record["transport"] == {"compiled": "compiled_graph", "actor_calls": "actor_calls"}[transport]
+    assert 0.0 <= record["bubble_fraction"] < 1.0
     if schedule == "1f1b":
         assert record["peak_live_microbatches"] <= min(num_stages, num_microbatches)
 
@@ -73,10 +75,11 @@ def test_ddp_checkpoint_seeds_a_pipeline_and_pipeline_weights_load_into_the_mode
     assert ddp_summary.epochs_completed == 2
 
 
-def test_killed_stage_resumes_from_checkpoint_with_reference_weights(ray_cluster, base):
+@pytest.mark.parametrize("transport", ["compiled", "actor_calls"])
+def test_killed_stage_resumes_from_checkpoint_with_reference_weights(ray_cluster, base, transport):
     cfg = with_(base, model="mlp", hidden=8, depth=3, epochs=3, max_failures=1)
-    summary = run_strategy("pipeline", cfg, scaling=PipelineScaling(num_stages=3, num_microbatches=2),
-                           crash_at_epoch=1)
+    scaling = PipelineScaling(num_stages=3, num_microbatches=2, transport=transport)
+    summary = run_strategy("pipeline", cfg, scaling=scaling, crash_at_epoch=1)
     assert summary.resumed_from_epoch == 1
     assert_same_weights(load_weights(summary.run_dir), reference_for(cfg)[0])
 
