@@ -7,9 +7,11 @@ references (never fetched by the driver), in the order a schedule (GPipe or 1F1B
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 import warnings
+from collections import deque
 from dataclasses import asdict, dataclass, field
 
 import ray
@@ -33,6 +35,10 @@ from ray_jobs.training import epoch_order, global_batches, shard
 
 CHECKPOINT_PREFIX = "checkpoint_epoch_"
 PLACEMENT_TIMEOUT_S = 120.0
+# Global batches in flight at once; more only holds more activations, the overlap is the same.
+MAX_INFLIGHT_BATCHES = 2
+# Ray's default waits 10 s for a compiled graph's result: too short for a large model's batch.
+STEP_TIMEOUT_S = 3600.0
 TRANSPORTS = ("auto", "compiled", "actor_calls")
 # What a dead stage looks like to the driver, through either transport.
 STAGE_FAILURES = (RayActorError, RayChannelError)
@@ -96,6 +102,7 @@ class Pipeline:
         self.nodes = ray.get([actor.node_id.remote() for actor in self.actors])
         self.order = execution_order(SCHEDULES[scaling.schedule](scaling.num_stages, scaling.num_microbatches))
         self.transport, self.compiled = self._compile()
+        self.batch_seconds = 0.0  # running estimate of one batch's duration
 
     @property
     def device_transport(self) -> bool:
@@ -125,12 +132,28 @@ class Pipeline:
             max(1, int(self.scaling.cpus_per_stage)), self.scaling.use_gpu, self.device_transport,
         )
 
-    def train_batch(self, batch) -> float:
-        """Run one global batch through the schedule, then step every stage; returns its loss."""
+    def train_epoch(self, batches: list) -> list[float]:
+        """Run every global batch through the schedule; returns each batch's loss.
+
+        Batch k+1 is submitted before batch k finishes: each stage runs its ops in order, so
+        its forward of batch k+1 still comes after its own optimizer step of batch k, and
+        the result is the same as running the batches one by one, without the flush between.
+        """
+        pending: deque = deque()
+        losses = []
+        for batch in batches:
+            pending.append((self._submit(batch), time.perf_counter()))
+            if len(pending) > MAX_INFLIGHT_BATCHES:
+                losses.append(self._collect(*pending.popleft()))
+        while pending:
+            losses.append(self._collect(*pending.popleft()))
+        return losses
+
+    def _submit(self, batch):
         last = self.scaling.num_stages - 1
         rows = [shard(batch, self.scaling.num_microbatches, m) for m in range(self.scaling.num_microbatches)]
         if self.compiled is not None:
-            return ray.get(self.compiled.execute(*rows))[last]
+            return self.compiled.execute(*rows)
         outputs = {}
         for stage, op in self.order:
             m = op.microbatch
@@ -140,7 +163,17 @@ class Pipeline:
             else:
                 grad = outputs[(stage + 1, BACKWARD, m)] if stage < last else None
                 outputs[(stage, BACKWARD, m)] = self.actors[stage].backward.remote(m, grad)
-        return ray.get([actor.step.remote() for actor in self.actors])[last]
+        return [actor.step.remote() for actor in self.actors]
+
+    def _collect(self, handle, submitted: float) -> float:
+        if self.compiled is not None:
+            # Waiting on a compiled graph's result busy-polls a whole core; sleep through most
+            # of a batch's expected duration first so the stages keep the CPU.
+            time.sleep(max(0.0, 0.8 * self.batch_seconds - (time.perf_counter() - submitted)))
+        began = time.perf_counter()
+        loss = ray.get(handle, timeout=STEP_TIMEOUT_S)[-1]
+        self.batch_seconds = 0.5 * self.batch_seconds + 0.5 * (time.perf_counter() - max(began, submitted))
+        return loss
 
     def gather_state(self) -> tuple[dict, dict]:
         parts = ray.get([actor.state.remote() for actor in self.actors])
@@ -234,21 +267,29 @@ def _train_epochs(pipeline: Pipeline, prepared: PreparedRun, attempt: Attempt, c
     for epoch in range(state.epochs_completed, cfg.epochs):
         began = time.perf_counter()
         batches = global_batches(epoch_order(prepared.dataset.num_rows, cfg.seed, epoch, cfg.shuffle), cfg.batch_size)
-        total = 0.0
-        for step, batch in enumerate(batches):
-            if crash_at_epoch == epoch and attempt.resumed_from_epoch is None and step == 1:
-                pipeline.actors[-1].crash.remote()
-            total += pipeline.train_batch(batch)
+        if crash_at_epoch == epoch and attempt.resumed_from_epoch is None:
+            pipeline.actors[-1].crash.remote()
+        losses = pipeline.train_epoch(batches)
+        _check_finite(losses, epoch)
         attempt.seconds += time.perf_counter() - began
         attempt.samples += len(batches) * cfg.batch_size
         busy, peak = pipeline.take_timing()
         attempt.busy_seconds, attempt.peak_alive = attempt.busy_seconds + busy, max(attempt.peak_alive, peak)
-        state.losses.append(total / len(batches))
+        state.losses.append(sum(losses) / len(batches))
         state.epochs_completed = epoch + 1
         print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {state.losses[-1]:.6f}", flush=True)
         if state.epochs_completed % cfg.checkpoint_every == 0 or state.epochs_completed == cfg.epochs:
             state.model, state.optimizer = pipeline.gather_state()
             save_pipeline_checkpoint(prepared.run_dir, state, cfg.num_checkpoints_to_keep)
+
+
+def _check_finite(losses: list[float], epoch: int) -> None:
+    for step, loss in enumerate(losses):
+        if not math.isfinite(loss):
+            raise FloatingPointError(
+                f"loss became {loss} at epoch {epoch + 1}, step {step + 1}; "
+                "lower --lr or check the data; the last good checkpoint is kept"
+            )
 
 
 def _start_attempt(pipeline: Pipeline, prepared: PreparedRun) -> Attempt:
