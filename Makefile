@@ -1,4 +1,4 @@
-# raypar: `make demo` trains with DDP on a local Ray cluster; `make test` runs the test suite.
+# raypar: `make demo` submits a DDP job to a local multi-node Ray cluster; `make test` runs the tests.
 # Both create .venv on first use. torch comes first as the pinned CPU wheel, so no multi-GB
 # CUDA build is ever downloaded; the project's own torch range is then already satisfied.
 PYTHON ?= python3
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m ray_jobs.ddp --num-workers 2 --epochs 3 --name demo-$$(date +%Y%m%d-%H%M%S)
+	$(PY) -m cluster.demo
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -74,7 +74,12 @@ def _fixed_width(column: pa.ChunkedArray, name: str) -> np.ndarray:
     values = array.flatten()
     if not (pa.types.is_floating(values.type) or pa.types.is_integer(values.type)):
         raise ValueError(f"column {name!r} must hold numbers, got lists of {values.type}")
-    return np.asarray(values.to_numpy(zero_copy_only=False), dtype=np.float32).reshape(-1, width)
+    matrix = np.asarray(values.to_numpy(zero_copy_only=False), dtype=np.float32).reshape(-1, width)
+    finite = np.isfinite(matrix).all(axis=1)
+    if not finite.all():
+        bad = int(np.argmin(finite))
+        raise ValueError(f"column {name!r} has NaN or infinite values (first at row {bad}); clean the data first")
+    return matrix
 
 
 def table_to_dataset(table: pa.Table, feature_column: str = "features", target_column: str = "target") -> Dataset:

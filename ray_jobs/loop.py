@@ -31,7 +31,16 @@ from ray_jobs.checkpoint import (
 )
 from ray_jobs.config import TrainConfig
 from ray_jobs.data import Dataset
-from ray_jobs.training import build_optimizer, epoch_order, global_batches, loss_function, shard, train_step
+from ray_jobs.runner import record_failure
+from ray_jobs.training import (
+    build_optimizer,
+    epoch_order,
+    global_batches,
+    loss_function,
+    non_finite_loss,
+    shard,
+    train_step,
+)
 
 
 @dataclass
@@ -43,6 +52,7 @@ class LoopConfig:
     initial_state: ray.ObjectRef
     wrap: Callable[[nn.Module, torch.device], nn.Module]
     num_threads: int
+    run_dir: str
     crash_at_epoch: int | None = None
     """Fault injection for tests: on a run not resumed from a checkpoint, the worker process
     exits hard during this epoch, after the previous epoch's checkpoint was registered."""
@@ -67,31 +77,40 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
     wrapped = loop.wrap(model, device)
     features, targets = _as_tensors(dataset, device)
     loss_fn = loss_function(dataset.task)
-    worker_nodes = _gather_node_ids(world_size)
+    worker_nodes, node_ranks = _gather_nodes(world_size, ctx.get_node_rank())
 
     first_epoch = start.epochs_completed if start else 0
+    resumed_from = start.epochs_completed if start else None
     num_samples, train_seconds = 0, 0.0
     for epoch in range(first_epoch, cfg.epochs):
         began = time.perf_counter()
-        loss_sum = torch.zeros((), device=device)
         batches = global_batches(epoch_order(dataset.num_rows, cfg.seed, epoch, cfg.shuffle), cfg.batch_size)
+        crash = loop.crash_at_epoch == epoch and start is None and world_rank == 0
+        step_losses = torch.zeros(len(batches), device=device)
         for step, batch in enumerate(batches):
             rows = shard(batch, world_size, world_rank).to(device)
-            loss = train_step(wrapped, optimizer, loss_fn, features[rows], targets[rows])
-            _check_finite(loss, epoch, step)
-            loss_sum += loss
-            if loop.crash_at_epoch == epoch and start is None and world_rank == 0:
+            step_losses[step] = train_step(wrapped, optimizer, loss_fn, features[rows], targets[rows])
+            if crash:
                 _crash()
-        losses.append(_mean_over_workers(loss_sum, world_size).item() / len(batches))
+        # One collective per epoch: every rank sees the same global losses and so stops together.
+        step_losses = _mean_over_workers(step_losses, world_size).cpu().tolist()
+        failure = non_finite_loss(step_losses, epoch)
+        if failure:
+            # Ray keeps only checkpointed reports' metrics, so the reason travels as a file.
+            if world_rank == 0:
+                record_failure(loop.run_dir, failure)
+            return
+        losses.append(sum(step_losses) / len(batches))
         train_seconds += time.perf_counter() - began
         num_samples += len(batches) * cfg.batch_size
         metrics = {
             "epoch": epoch,
             "loss": losses[-1],
             "epochs_completed": epoch + 1,
-            "samples_per_second": num_samples / train_seconds if train_seconds else None,
+            "samples_per_second": num_samples / train_seconds,
             "worker_nodes": worker_nodes,
-            "resumed_from_epoch": start.epochs_completed if start else None,
+            "worker_node_ranks": node_ranks,
+            "resumed_from_epoch": resumed_from,
         }
         if world_rank == 0:
             print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {losses[-1]:.6f}", flush=True)
@@ -99,8 +118,8 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
         _report(metrics, _train_state(model, optimizer, epoch + 1, losses) if save and world_rank == 0 else None)
     if first_epoch >= cfg.epochs:
         # Re-run of a finished run: report once so the result carries this attempt's metrics.
-        metrics = {"epochs_completed": first_epoch, "samples_per_second": None}
-        _report({**metrics, "worker_nodes": worker_nodes, "resumed_from_epoch": first_epoch}, None)
+        _report({"epochs_completed": first_epoch, "samples_per_second": None, "worker_nodes": worker_nodes,
+                 "worker_node_ranks": node_ranks, "resumed_from_epoch": first_epoch}, None)
 
 
 def _restore(model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainState | None:
@@ -145,21 +164,13 @@ def _mean_over_workers(value: torch.Tensor, world_size: int) -> torch.Tensor:
     return value
 
 
-def _gather_node_ids(world_size: int) -> list[str]:
-    node_id = ray.get_runtime_context().get_node_id()
-    if world_size == 1:
-        return [node_id]
-    gathered: list[str] = [""] * world_size
-    dist.all_gather_object(gathered, node_id)
-    return gathered
-
-
-def _check_finite(loss: torch.Tensor, epoch: int, step: int) -> None:
-    if not torch.isfinite(loss):
-        raise FloatingPointError(
-            f"loss became {loss.item()} at epoch {epoch + 1}, step {step + 1}; "
-            "lower --lr or check the data; the last good checkpoint is kept"
-        )
+def _gather_nodes(world_size: int, node_rank: int) -> tuple[list[str], list[int]]:
+    """The Ray node id and Train node rank of every world rank, in world-rank order."""
+    mine = (ray.get_runtime_context().get_node_id(), node_rank)
+    gathered = [mine] * world_size
+    if world_size > 1:
+        dist.all_gather_object(gathered, mine)
+    return [node for node, _ in gathered], [rank for _, rank in gathered]
 
 
 def _quiet_report_logs() -> None:

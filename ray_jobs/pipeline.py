@@ -7,7 +7,6 @@ references (never fetched by the driver), in the order a schedule (GPipe or 1F1B
 """
 from __future__ import annotations
 
-import math
 import sys
 import time
 import warnings
@@ -16,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import ray
 from ray.dag import InputNode, MultiOutputNode
-from ray.exceptions import RayActorError, RayChannelError
+from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayChannelTimeoutError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -26,19 +25,17 @@ from ray_jobs.checkpoint import TrainState, from_bytes, merge_named_optimizer_st
 from ray_jobs.cli import entry_point
 from ray_jobs.config import PLACEMENT_STRATEGIES, TrainConfig, _doc, _require, require_divisible
 from ray_jobs.preflight import check_bundles
-from ray_jobs.runner import PreparedRun, finish
+from ray_jobs.runner import PreparedRun, finish, record_failure
 from ray_jobs.schedules import BACKWARD, FORWARD, SCHEDULES, execution_order
 from ray_jobs.stage import StageWorker
 from ray_jobs.summary import TrainSummary
 from ray_jobs.train_workers import TrainingFailed
-from ray_jobs.training import epoch_order, global_batches, shard
+from ray_jobs.training import epoch_order, global_batches, non_finite_loss, shard
 
 CHECKPOINT_PREFIX = "checkpoint_epoch_"
 PLACEMENT_TIMEOUT_S = 120.0
 # Global batches in flight at once; more only holds more activations, the overlap is the same.
 MAX_INFLIGHT_BATCHES = 2
-# Ray's default waits 10 s for a compiled graph's result: too short for a large model's batch.
-STEP_TIMEOUT_S = 3600.0
 TRANSPORTS = ("auto", "compiled", "actor_calls")
 # What a dead stage looks like to the driver, through either transport.
 STAGE_FAILURES = (RayActorError, RayChannelError)
@@ -62,7 +59,12 @@ class PipelineScaling:
                       "auto: compiled, falling back to actor calls", choices=TRANSPORTS),
     )
 
+    batch_timeout_s: float = field(
+        default=600.0, metadata=_doc("fail the run when one global batch takes longer than this (s)")
+    )
+
     def __post_init__(self) -> None:
+        _require(self.batch_timeout_s > 0, "batch_timeout_s", self.batch_timeout_s, "positive")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"--transport {self.transport!r} is unknown; valid: {', '.join(TRANSPORTS)}")
         _require(self.num_stages >= 1, "num_stages", self.num_stages, "at least 1")
@@ -110,6 +112,11 @@ class Pipeline:
 
     def _compile(self):
         if self.scaling.transport == "actor_calls":
+            return "actor_calls", None
+        if self.scaling.transport == "auto" and set(self.nodes) != {ray.get_runtime_context().get_node_id()}:
+            # Measured on Ray 2.60 (local multi-node cluster): compiled-graph channels between
+            # nodes never delivered and the run hung, so auto keeps them to one node.
+            print("[raypar] stages span several nodes: using actor calls (--transport compiled to force)", flush=True)
             return "actor_calls", None
         try:
             graph = build_graph(self.actors, self.order, self.device_transport)
@@ -171,7 +178,13 @@ class Pipeline:
             # of a batch's expected duration first so the stages keep the CPU.
             time.sleep(max(0.0, 0.8 * self.batch_seconds - (time.perf_counter() - submitted)))
         began = time.perf_counter()
-        loss = ray.get(handle, timeout=STEP_TIMEOUT_S)[-1]
+        try:
+            loss = ray.get(handle, timeout=self.scaling.batch_timeout_s)[-1]
+        except (GetTimeoutError, RayChannelTimeoutError):
+            raise TrainingFailed(
+                f"a global batch did not finish within --batch-timeout-s {self.scaling.batch_timeout_s:g} "
+                f"(transport {self.transport}, stages on nodes {self.nodes})"
+            ) from None
         self.batch_seconds = 0.5 * self.batch_seconds + 0.5 * (time.perf_counter() - max(began, submitted))
         return loss
 
@@ -270,7 +283,10 @@ def _train_epochs(pipeline: Pipeline, prepared: PreparedRun, attempt: Attempt, c
         if crash_at_epoch == epoch and attempt.resumed_from_epoch is None:
             pipeline.actors[-1].crash.remote()
         losses = pipeline.train_epoch(batches)
-        _check_finite(losses, epoch)
+        failure = non_finite_loss(losses, epoch)
+        if failure:
+            record_failure(prepared.run_dir, failure)
+            raise TrainingFailed(failure)
         attempt.seconds += time.perf_counter() - began
         attempt.samples += len(batches) * cfg.batch_size
         busy, peak = pipeline.take_timing()
@@ -281,15 +297,6 @@ def _train_epochs(pipeline: Pipeline, prepared: PreparedRun, attempt: Attempt, c
         if state.epochs_completed % cfg.checkpoint_every == 0 or state.epochs_completed == cfg.epochs:
             state.model, state.optimizer = pipeline.gather_state()
             save_pipeline_checkpoint(prepared.run_dir, state, cfg.num_checkpoints_to_keep)
-
-
-def _check_finite(losses: list[float], epoch: int) -> None:
-    for step, loss in enumerate(losses):
-        if not math.isfinite(loss):
-            raise FloatingPointError(
-                f"loss became {loss} at epoch {epoch + 1}, step {step + 1}; "
-                "lower --lr or check the data; the last good checkpoint is kept"
-            )
 
 
 def _start_attempt(pipeline: Pipeline, prepared: PreparedRun) -> Attempt:

@@ -22,6 +22,7 @@ from ray_jobs.training import check_batch_fits, initial_model
 
 # The default data when --data is not given: the DDP tutorial's shape (10 inputs, 5 outputs).
 SYNTHETIC_ROWS, SYNTHETIC_IN, SYNTHETIC_OUT = 1024, 10, 5
+FAILURE_FILE = "failure.json"
 
 
 @dataclass
@@ -58,6 +59,7 @@ def prepare(cfg: TrainConfig, strategy: str) -> PreparedRun:
     storage_path = storage.absolute(cfg.storage_path)
     prepared = PreparedRun(cfg, strategy, dataset, model.state_dict(), name, storage_path)
     storage.check_writable(prepared.run_dir)
+    storage.delete_file(storage.join(prepared.run_dir, FAILURE_FILE))  # a past attempt's reason
     return prepared
 
 
@@ -90,6 +92,16 @@ def finish(
     storage.write_bytes(storage.join(prepared.run_dir, "model.pt"), buffer.getvalue())
     storage.write_bytes(storage.join(prepared.run_dir, "summary.json"), summary.to_json().encode())
     return summary
+
+
+def record_failure(run_dir: str, reason: str) -> None:
+    """Write why a run stopped early, for the driver to raise and the user to keep."""
+    storage.write_bytes(storage.join(run_dir, FAILURE_FILE), json.dumps({"error": reason}).encode())
+
+
+def recorded_failure(run_dir: str) -> str | None:
+    path = storage.join(run_dir, FAILURE_FILE)
+    return json.loads(storage.read_bytes(path))["error"] if storage.exists(path) else None
 
 
 def read_summary(run_dir: str) -> dict[str, Any]:

@@ -66,3 +66,10 @@ def list_dir(uri: str) -> list[str]:
 def delete_dir(uri: str) -> None:
     filesystem, path = resolve(uri)
     filesystem.delete_dir(path)
+
+
+def delete_file(uri: str) -> None:
+    """Delete a file if it exists."""
+    filesystem, path = resolve(uri)
+    if filesystem.get_file_info(path).type == pafs.FileType.File:
+        filesystem.delete_file(path)

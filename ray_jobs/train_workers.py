@@ -19,7 +19,7 @@ from ray_jobs.checkpoint import load_checkpoint
 from ray_jobs.config import WorkerScaling
 from ray_jobs.loop import LoopConfig, train_loop_per_worker
 from ray_jobs.preflight import check_bundles
-from ray_jobs.runner import PreparedRun, finish
+from ray_jobs.runner import PreparedRun, finish, recorded_failure
 from ray_jobs.session import WORKER_ENV
 from ray_jobs.summary import TrainSummary
 
@@ -45,6 +45,7 @@ def run_workers(
         initial_state=ray.put(prepared.initial_state),
         wrap=wrap,
         num_threads=max(1, int(scaling.cpus_per_worker)),
+        run_dir=prepared.run_dir,
         crash_at_epoch=crash_at_epoch,
     )
     trainer = TorchTrainer(
@@ -71,9 +72,13 @@ def run_workers(
         result = trainer.fit()
     except ray.train.TrainingFailedError as error:
         raise TrainingFailed(_root_cause(error)) from error
+    failure = recorded_failure(prepared.run_dir)
+    if failure:
+        raise TrainingFailed(failure)
     with result.checkpoint.as_directory() as directory:
         final = load_checkpoint(directory)
-    return finish(prepared, final, result.metrics, scaling.num_workers, {"scaling": asdict(scaling)})
+    extra = {"worker_node_ranks": result.metrics.get("worker_node_ranks")}
+    return finish(prepared, final, result.metrics, scaling.num_workers, {"scaling": asdict(scaling)}, extra)
 
 
 def _root_cause(error: BaseException) -> str:

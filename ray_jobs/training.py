@@ -6,6 +6,7 @@ batch a worker or stage sees, and how gradients are combined.
 from __future__ import annotations
 
 import io
+import math
 
 import torch
 from torch import nn
@@ -94,3 +95,14 @@ def train_step(
     loss.backward()
     optimizer.step()
     return loss.detach()
+
+
+def non_finite_loss(step_losses: list[float], epoch: int) -> str | None:
+    """The message for the first NaN/inf global-batch loss of an epoch, or None."""
+    for step, loss in enumerate(step_losses):
+        if not math.isfinite(loss):
+            return (
+                f"loss became {loss} at epoch {epoch + 1}, step {step + 1}; lower --lr or check the data "
+                "(the last good checkpoint is kept, model.pt is not written)"
+            )
+    return None

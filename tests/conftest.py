@@ -9,6 +9,7 @@ from ray_jobs.data import synthesize, write_table
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "ray: needs the shared local Ray cluster")
+    config.addinivalue_line("markers", "cluster: starts its own local multi-node Ray cluster")
 
 
 @pytest.fixture(scope="session")

@@ -64,6 +64,8 @@ def test_custom_column_names(tmp_path):
         ({"features": [[1.0]], "target": [-1]}, "negative class labels"),
         ({"features": [[1.0], None], "target": [[1.0], [2.0]]}, "column 'features' has 1 null rows"),
         ({"features": [[]], "target": [[1.0]]}, "column 'features' has empty lists"),
+        ({"features": [[1.0], [float("nan")]], "target": [[1.0], [2.0]]}, "column 'features' has NaN or infinite values (first at row 1)"),
+        ({"features": [[1.0]], "target": [[float("inf")]]}, "column 'target' has NaN or infinite values"),
     ],
 )
 def test_bad_columns_are_one_line_errors(columns, message):

@@ -1,0 +1,1 @@
+"""Cluster configs (local, cloud, Kubernetes) and local-cluster tooling: ``python -m cluster.local``."""
