@@ -11,10 +11,14 @@ import io
 import os
 from dataclasses import asdict, dataclass, field
 
+import pyarrow.fs as pafs
 import torch
 from torch import nn
 
+from ray_jobs import storage
+
 CHECKPOINT_FILE = "checkpoint.pt"
+CHECKPOINT_PREFIX = "checkpoint_"
 
 
 @dataclass
@@ -51,6 +55,29 @@ def load_checkpoint(directory: str) -> TrainState:
         raise ValueError(f"{directory} is not a raypar checkpoint: {CHECKPOINT_FILE} is missing")
     with open(path, "rb") as file:
         return from_bytes(file.read())
+
+
+def latest_checkpoint(run_dir: str) -> TrainState | None:
+    """The newest checkpoint under ``run_dir`` that loads completely, or None.
+
+    Reads the files, not Ray's registry: Ray 2.60 can upload a checkpoint and never register it
+    (a crash within ~2 s of reporting it, or an interrupt before its registry snapshot is
+    written), yet such a checkpoint is complete and exact. One cut short mid-upload fails to
+    load and is skipped, so resume never trusts a half-written checkpoint.
+    """
+    filesystem, path = storage.resolve(run_dir)
+    if filesystem.get_file_info(path).type != pafs.FileType.Directory:
+        return None
+    names = [info.base_name for info in filesystem.get_file_info(pafs.FileSelector(path))
+             if info.type == pafs.FileType.Directory and info.base_name.startswith(CHECKPOINT_PREFIX)]
+    files = filesystem.get_file_info([f"{path}/{name}/{CHECKPOINT_FILE}" for name in names])
+    for info in sorted((f for f in files if f.type == pafs.FileType.File), key=lambda f: f.mtime, reverse=True):
+        try:
+            with filesystem.open_input_stream(info.path) as stream:
+                return from_bytes(stream.read())
+        except Exception:  # truncated or corrupt: torch raises several types
+            continue
+    return None
 
 
 def merge_named_optimizer_states(parts: list[dict]) -> dict:

@@ -8,7 +8,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import ray
+
 from ray_jobs.config import ArgumentParser, TrainConfig, add_flags, from_args
+from ray_jobs.interrupts import run_until_interrupted
 from ray_jobs.runner import PreparedRun, prepare
 from ray_jobs.session import connect
 from ray_jobs.summary import TrainSummary
@@ -32,7 +35,9 @@ def entry_point(
         scaling.check(cfg)
         prepared = prepare(cfg, strategy)
         connect(args.address)
-        summary = run(prepared, scaling)
+        # After connecting, since Ray's core installs its own SIGTERM handler: SIGTERM (ray job
+        # stop, kill, a scheduler) then ends the run like Ctrl-C.
+        summary = run_until_interrupted(lambda: run(prepared, scaling))
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -40,7 +45,11 @@ def entry_point(
         print(f"error: training failed: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("interrupted; the latest checkpoint is kept and a re-run with the same --name resumes", file=sys.stderr)
+        print("interrupted: stopping the run's workers; the latest checkpoint is kept and "
+              "a re-run with the same --name resumes", file=sys.stderr, flush=True)
+        # Disconnecting the driver makes Ray end every actor it owns: the Train controller
+        # and its workers, or the pipeline's stages (and a local cluster started here).
+        ray.shutdown()
         return 130
     print(summary.table())
     return 0

@@ -54,6 +54,11 @@ class TrainConfig:
         default=None, metadata=_doc("run name; re-running a name resumes it (default: strategy + timestamp)")
     )
     max_failures: int = field(default=0, metadata=_doc("worker-group restarts allowed, each resuming from the latest checkpoint"))
+    resource_timeout: float = field(
+        default=300.0,
+        metadata=_doc("seconds to wait for an autoscaling cluster to add the nodes a run needs "
+                      "(a fixed-size cluster that lacks them fails at once)"),
+    )
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -66,7 +71,7 @@ class TrainConfig:
             value = getattr(self, flag)
             _require(value is None or value >= 1, flag, value, "at least 1")
         _require(self.lr > 0, "lr", self.lr, "positive")
-        for flag in ("momentum", "weight_decay", "max_failures"):
+        for flag in ("momentum", "weight_decay", "max_failures", "resource_timeout"):
             _require(getattr(self, flag) >= 0, flag, getattr(self, flag), "zero or more")
         if self.optimizer != "sgd" and self.momentum:
             raise ValueError("--momentum applies to --optimizer sgd only")

@@ -24,7 +24,7 @@ from torch import nn
 from models import build_model
 from ray_jobs.checkpoint import (
     TrainState,
-    load_checkpoint,
+    latest_checkpoint,
     load_named_optimizer_state,
     named_optimizer_state,
     save_checkpoint,
@@ -72,7 +72,7 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
     model.load_state_dict(ray.get(loop.initial_state))
     model.to(device)
     optimizer = build_optimizer(model.parameters(), cfg)
-    start = _restore(model, optimizer)
+    start = _restore(loop.run_dir, model, optimizer)
     losses = list(start.losses) if start else []
     wrapped = loop.wrap(model, device)
     features, targets = _as_tensors(dataset, device)
@@ -122,12 +122,10 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
                  "worker_node_ranks": node_ranks, "resumed_from_epoch": first_epoch}, None)
 
 
-def _restore(model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainState | None:
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
+def _restore(run_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainState | None:
+    state = latest_checkpoint(run_dir)
+    if state is None:
         return None
-    with checkpoint.as_directory() as directory:
-        state = load_checkpoint(directory)
     model.load_state_dict(state.model)
     load_named_optimizer_state(optimizer, dict(model.named_parameters()), state.optimizer)
     torch.set_rng_state(state.rng)
@@ -182,7 +180,4 @@ def _quiet_report_logs() -> None:
 
 
 def _crash() -> None:
-    # Ray 2.60 may upload but never register a checkpoint reported ~2 s before a crash;
-    # wait so the previous epoch's checkpoint is registered and the resume is deterministic.
-    time.sleep(3)
-    os._exit(1)
+    os._exit(1)  # as abrupt as a SIGKILL: no cleanup, no report

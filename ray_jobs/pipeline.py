@@ -20,11 +20,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from models import build_model, split_into_stages
-from ray_jobs import storage
-from ray_jobs.checkpoint import TrainState, from_bytes, merge_named_optimizer_states, to_bytes
+from ray_jobs import interrupts, storage
+from ray_jobs.checkpoint import TrainState, latest_checkpoint, merge_named_optimizer_states, to_bytes
 from ray_jobs.cli import entry_point
 from ray_jobs.config import PLACEMENT_STRATEGIES, TrainConfig, _doc, _require, require_divisible
-from ray_jobs.preflight import check_bundles
+from ray_jobs.preflight import wait_for_bundles
 from ray_jobs.runner import PreparedRun, finish, record_failure
 from ray_jobs.schedules import BACKWARD, FORWARD, SCHEDULES, execution_order
 from ray_jobs.stage import StageWorker
@@ -32,7 +32,7 @@ from ray_jobs.summary import TrainSummary
 from ray_jobs.train_workers import TrainingFailed
 from ray_jobs.training import epoch_order, global_batches, non_finite_loss, shard
 
-CHECKPOINT_PREFIX = "checkpoint_epoch_"
+EPOCH_PREFIX = "checkpoint_epoch_"
 PLACEMENT_TIMEOUT_S = 120.0
 # Global batches in flight at once; more only holds more activations, the overlap is the same.
 MAX_INFLIGHT_BATCHES = 2
@@ -149,6 +149,7 @@ class Pipeline:
         pending: deque = deque()
         losses = []
         for batch in batches:
+            interrupts.check()  # between batches: nothing is half-submitted
             pending.append((self._submit(batch), time.perf_counter()))
             if len(pending) > MAX_INFLIGHT_BATCHES:
                 losses.append(self._collect(*pending.popleft()))
@@ -246,19 +247,10 @@ def build_graph(actors: list, order: list, device_transport: bool) -> MultiOutpu
         return MultiOutputNode(steps)
 
 
-def latest_checkpoint(run_dir: str) -> TrainState | None:
-    """The newest complete pipeline checkpoint of a run (each is written atomically)."""
-    for name in reversed(storage.list_dir(run_dir)):
-        path = storage.join(run_dir, name, "checkpoint.pt")
-        if name.startswith(CHECKPOINT_PREFIX) and storage.exists(path):
-            return from_bytes(storage.read_bytes(path))
-    return None
-
-
 def save_pipeline_checkpoint(run_dir: str, state: TrainState, num_to_keep: int) -> None:
-    name = f"{CHECKPOINT_PREFIX}{state.epochs_completed:06d}"
+    name = f"{EPOCH_PREFIX}{state.epochs_completed:06d}"
     storage.write_bytes(storage.join(run_dir, name, "checkpoint.pt"), to_bytes(state))
-    kept = [n for n in storage.list_dir(run_dir) if n.startswith(CHECKPOINT_PREFIX)]
+    kept = [n for n in storage.list_dir(run_dir) if n.startswith(EPOCH_PREFIX)]
     for old in kept[:-num_to_keep]:
         storage.delete_dir(storage.join(run_dir, old))
 
@@ -315,7 +307,8 @@ def run(prepared: PreparedRun, scaling: PipelineScaling, crash_at_epoch: int | N
     if scaling.num_microbatches < scaling.num_stages:
         warnings.warn(f"--num-microbatches {scaling.num_microbatches} < --num-stages {scaling.num_stages}: "
                       "the pipeline can never fill, some stages always idle", stacklevel=2)
-    check_bundles(scaling.bundles, scaling.placement_strategy, f"--num-stages {scaling.num_stages}")
+    wait_for_bundles(scaling.bundles, scaling.placement_strategy, f"--num-stages {scaling.num_stages}",
+                     cfg.resource_timeout)
     for failures in range(cfg.max_failures + 1):
         pipeline = Pipeline(prepared, scaling)
         try:

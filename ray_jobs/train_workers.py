@@ -5,6 +5,7 @@ how the model is wrapped, which the caller passes in.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -15,10 +16,11 @@ from ray.train.v2.api.config import LoggingConfig
 from ray.train.torch import TorchTrainer
 from torch import nn
 
+from ray_jobs import interrupts
 from ray_jobs.checkpoint import load_checkpoint
 from ray_jobs.config import WorkerScaling
 from ray_jobs.loop import LoopConfig, train_loop_per_worker
-from ray_jobs.preflight import check_bundles
+from ray_jobs.preflight import wait_for_bundles
 from ray_jobs.runner import PreparedRun, finish, recorded_failure
 from ray_jobs.session import WORKER_ENV
 from ray_jobs.summary import TrainSummary
@@ -38,7 +40,7 @@ def run_workers(
     cfg = prepared.cfg
     scaling.check(cfg)
     bundles = [scaling.resources_per_worker] * scaling.num_workers
-    check_bundles(bundles, scaling.placement_strategy, f"--num-workers {scaling.num_workers}")
+    wait_for_bundles(bundles, scaling.placement_strategy, f"--num-workers {scaling.num_workers}", cfg.resource_timeout)
     loop = LoopConfig(
         train=asdict(cfg),
         dataset=ray.put(prepared.dataset),
@@ -69,7 +71,7 @@ def run_workers(
         ),
     )
     try:
-        result = trainer.fit()
+        result = _fit_interruptibly(trainer)
     except ray.train.TrainingFailedError as error:
         raise TrainingFailed(_root_cause(error)) from error
     failure = recorded_failure(prepared.run_dir)
@@ -79,6 +81,30 @@ def run_workers(
         final = load_checkpoint(directory)
     extra = {"worker_node_ranks": result.metrics.get("worker_node_ranks")}
     return finish(prepared, final, result.metrics, scaling.num_workers, {"scaling": asdict(scaling)}, extra)
+
+
+def _fit_interruptibly(trainer: TorchTrainer):
+    """``fit()`` on a helper thread, stopped by ``interrupts.check()`` while it runs.
+
+    On the main thread Ray Train would install its own SIGINT handler, whose graceful abort
+    waits on the controller (which can be stuck retrying) and then exits with status 0.
+    """
+    outcome: dict = {}
+
+    def target() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as error:  # re-raised on the caller's thread below
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, name="raypar-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        interrupts.check()
+        thread.join(timeout=0.2)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 def _root_cause(error: BaseException) -> str:

@@ -1,7 +1,7 @@
 """Shared fixtures: tiny datasets, and one local Ray cluster for the whole session."""
 from __future__ import annotations
 
-import os
+from types import SimpleNamespace
 
 import pytest
 from ray_jobs.data import synthesize, write_table
@@ -17,12 +17,10 @@ def ray_cluster():
     """One local Ray cluster per test session: Ray start-up costs ~10 s here."""
     import ray
 
-    from ray_jobs.session import WORKER_ENV
+    from ray_jobs.session import start_local
 
-    os.environ.update(WORKER_ENV)
     # 4 logical CPUs on a 2-core machine: two 1-CPU workers plus headroom for Ray's own actors.
-    ray.init(num_cpus=4, dashboard_host="127.0.0.1", include_dashboard=True, log_to_driver=True)
-    yield ray
+    yield SimpleNamespace(dashboard_url=start_local(num_cpus=4))  # tests ask its state API
     ray.shutdown()
 
 

@@ -1,7 +1,6 @@
 """``ray job submit`` end to end on a local multi-node cluster (head + 2 worker nodes).
 
-Ports differ from the shared ``ray.init`` cluster's and from test_local_cluster's, so the
-three never meet.
+Its ports are free ones picked at run time, so it never meets the shared cluster.
 """
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ from tests.helpers import assert_same_weights, load_weights, reference_for
 pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[1]
-PORTS = ["--port", "6392", "--dashboard-port", "8268"]
+PORTS = ["--port", str(local.free_port()), "--dashboard-port", str(local.free_port())]
 JOB_TIMEOUT_S = 240
 
 

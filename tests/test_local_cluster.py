@@ -1,6 +1,6 @@
 """The local multi-node cluster: ``python -m cluster.local up|status|down`` against real ``ray start`` nodes.
 
-Ports differ from Ray's defaults (GCS 6390, dashboard 8266) so this cluster never meets the shared
+Ports are free ones picked at run time, so this cluster never meets the shared
 ``ray.init`` cluster other tests start in the same pytest process.
 """
 from __future__ import annotations
@@ -15,11 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from cluster.local import free_port
+
 pytestmark = pytest.mark.cluster
 
 REPO = Path(__file__).resolve().parents[1]
-PORTS = ["--port", "6390", "--dashboard-port", "8266"]
-JOBS_API = "http://127.0.0.1:8266/api/jobs/"
+GCS_PORT, DASHBOARD_PORT = free_port(), free_port()
+PORTS = ["--port", str(GCS_PORT), "--dashboard-port", str(DASHBOARD_PORT)]
+JOBS_API = f"http://127.0.0.1:{DASHBOARD_PORT}/api/jobs/"
 
 
 def cluster_cli(*argv: str, timeout: float = 150) -> subprocess.CompletedProcess:
@@ -64,7 +67,7 @@ def test_up_status_auth_down(local_cluster):
     state_dir, up_output = local_cluster
     state = json.loads((Path(state_dir) / "cluster.json").read_text())
     token = Path(state["token_path"]).read_text().strip()
-    assert "ray job submit --address http://127.0.0.1:8266" in up_output and state["token_path"] in up_output
+    assert f"ray job submit --address http://127.0.0.1:{DASHBOARD_PORT}" in up_output and state["token_path"] in up_output
 
     shown = cluster_cli("status", "--state-dir", state_dir)
     assert shown.returncode == 0, shown.stderr

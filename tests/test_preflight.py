@@ -5,6 +5,7 @@ import pytest
 
 from ray_jobs import ddp
 from ray_jobs.config import TrainConfig, WorkerScaling
+from ray_jobs import preflight
 from ray_jobs.preflight import ResourceError
 from ray_jobs.runner import prepare
 
@@ -24,3 +25,18 @@ def test_impossible_requests_fail_before_fit(ray_cluster, regression_data, tmp_p
     cfg = TrainConfig(data=regression_data, batch_size=16, storage_path=str(tmp_path), name="never")
     with pytest.raises(ResourceError, match=message):
         ddp.run(prepare(cfg, "ddp"), scaling)
+
+
+def test_autoscaling_cluster_waits_then_fails_with_the_same_message(ray_cluster, monkeypatch, capsys):
+    # Pretend the autoscaler could add GPU nodes: the request is then worth waiting for.
+    monkeypatch.setattr(preflight, "autoscaling_limits", lambda: {"CPU": 64.0, "GPU": 8.0})
+    monkeypatch.setattr(preflight, "PROGRESS_EVERY_S", 0.0)
+    with pytest.raises(ResourceError, match=r"asks for 2 GPU in all; the cluster has 0 GPU .*waited 2 s"):
+        preflight.wait_for_bundles([{"CPU": 1.0, "GPU": 1.0}] * 2, "PACK", "--num-workers 2", timeout_s=2)
+    assert "[raypar] waiting for the autoscaler" in capsys.readouterr().out
+
+
+def test_autoscaling_cluster_that_can_never_fit_fails_at_once(ray_cluster, monkeypatch):
+    monkeypatch.setattr(preflight, "autoscaling_limits", lambda: {"CPU": 64.0, "GPU": 1.0})
+    with pytest.raises(ResourceError, match="asks for 2 GPU"):
+        preflight.wait_for_bundles([{"CPU": 1.0, "GPU": 1.0}] * 2, "PACK", "--num-workers 2", timeout_s=3600)
