@@ -63,63 +63,64 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
     cfg = TrainConfig(**loop.train)
     _quiet_report_logs()
     ctx = ray.train.get_context()
-    world_rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     torch.set_num_threads(loop.num_threads)
     dataset: Dataset = ray.get(loop.dataset)
     device = ray.train.torch.get_device()
-
     model = build_model(cfg.model, dataset.in_features, dataset.out_features, **cfg.model_options)
     model.load_state_dict(ray.get(loop.initial_state))
     model.to(device)
     optimizer = build_optimizer(model.parameters(), cfg)
     start = _restore(loop.run_dir, model, optimizer)
+    worker = _Worker(loop, cfg, dataset, device, loop.wrap(model, device), optimizer, ctx)
+    nodes, node_ranks = _gather_nodes(ctx.get_world_size(), ctx.get_node_rank())
     losses = list(start.losses) if start else []
-    wrapped = loop.wrap(model, device)
-    features, targets = _as_tensors(dataset, device)
-    loss_fn = loss_function(dataset.task)
-    worker_nodes, node_ranks = _gather_nodes(world_size, ctx.get_node_rank())
-
     first_epoch = start.epochs_completed if start else 0
-    resumed_from = start.epochs_completed if start else None
+    report = {"worker_nodes": nodes, "worker_node_ranks": node_ranks,
+              "resumed_from_epoch": first_epoch if start else None}
     num_samples, train_seconds = 0, 0.0
     for epoch in range(first_epoch, cfg.epochs):
         began = time.perf_counter()
-        batches = global_batches(epoch_order(dataset.num_rows, cfg.seed, epoch, cfg.shuffle), cfg.batch_size)
-        crash = loop.crash_at_epoch == epoch and start is None and world_rank == 0
-        step_losses = torch.zeros(len(batches), device=device)
-        for step, batch in enumerate(batches):
-            rows = shard(batch, world_size, world_rank).to(device)
-            step_losses[step] = train_step(wrapped, optimizer, loss_fn, features[rows], targets[rows])
-            if crash:
-                _crash()
-        # One collective per epoch: every rank sees the same global losses and so stops together.
-        step_losses = _mean_over_workers(step_losses, world_size).cpu().tolist()
+        step_losses = worker.run_epoch(epoch, crash=loop.crash_at_epoch == epoch and start is None)
         failure = non_finite_loss(step_losses, epoch)
         if failure:
             # Ray keeps only checkpointed reports' metrics, so the reason travels as a file.
-            if world_rank == 0:
+            if worker.world_rank == 0:
                 record_failure(loop.run_dir, failure)
             return
-        losses.append(sum(step_losses) / len(batches))
+        losses.append(sum(step_losses) / len(step_losses))
         train_seconds += time.perf_counter() - began
-        num_samples += len(batches) * cfg.batch_size
-        metrics = {
-            "epoch": epoch,
-            "loss": losses[-1],
-            "epochs_completed": epoch + 1,
-            "samples_per_second": num_samples / train_seconds,
-            "worker_nodes": worker_nodes,
-            "worker_node_ranks": node_ranks,
-            "resumed_from_epoch": resumed_from,
-        }
-        if world_rank == 0:
+        num_samples += len(step_losses) * cfg.batch_size
+        report.update(epoch=epoch, loss=losses[-1], epochs_completed=epoch + 1,
+                      samples_per_second=num_samples / train_seconds)
+        if worker.world_rank == 0:
             print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {losses[-1]:.6f}", flush=True)
-        save = (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs
-        _report(metrics, _train_state(model, optimizer, epoch + 1, losses) if save and world_rank == 0 else None)
-    if first_epoch >= cfg.epochs:
-        # Re-run of a finished run: report once so the result carries this attempt's metrics.
-        _report({"epochs_completed": first_epoch, "samples_per_second": None, "worker_nodes": worker_nodes,
-                 "worker_node_ranks": node_ranks, "resumed_from_epoch": first_epoch}, None)
+        save = ((epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs) and worker.world_rank == 0
+        _report(report, _train_state(model, optimizer, epoch + 1, losses) if save else None)
+
+
+class _Worker:
+    """This rank's view of the run: its shard of every global batch, on its device."""
+
+    def __init__(self, loop: LoopConfig, cfg: TrainConfig, dataset: Dataset, device: torch.device,
+                 model: nn.Module, optimizer: torch.optim.Optimizer, ctx) -> None:
+        self.cfg, self.num_rows, self.device = cfg, dataset.num_rows, device
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_function(dataset.task)
+        self.world_rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
+        self.features, self.targets = _as_tensors(dataset, device)
+
+    def run_epoch(self, epoch: int, crash: bool = False) -> list[float]:
+        """Train one epoch; returns every step's global-batch loss, the same on every rank."""
+        cfg = self.cfg
+        batches = global_batches(epoch_order(self.num_rows, cfg.seed, epoch, cfg.shuffle), cfg.batch_size)
+        step_losses = torch.zeros(len(batches), device=self.device)
+        for step, batch in enumerate(batches):
+            rows = shard(batch, self.world_size, self.world_rank).to(self.device)
+            step_losses[step] = train_step(self.model, self.optimizer, self.loss_fn, self.features[rows],
+                                           self.targets[rows])
+            if crash and self.world_rank == 0:
+                _crash()
+        # One collective per epoch: every rank sees the same global losses and so stops together.
+        return _mean_over_workers(step_losses, self.world_size).cpu().tolist()
 
 
 def _restore(run_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainState | None:

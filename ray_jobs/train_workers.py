@@ -17,7 +17,7 @@ from ray.train.torch import TorchTrainer
 from torch import nn
 
 from ray_jobs import interrupts
-from ray_jobs.checkpoint import load_checkpoint
+from ray_jobs.checkpoint import latest_checkpoint
 from ray_jobs.config import WorkerScaling
 from ray_jobs.loop import LoopConfig, train_loop_per_worker
 from ray_jobs.preflight import wait_for_bundles
@@ -77,10 +77,11 @@ def run_workers(
     failure = recorded_failure(prepared.run_dir)
     if failure:
         raise TrainingFailed(failure)
-    with result.checkpoint.as_directory() as directory:
-        final = load_checkpoint(directory)
-    extra = {"worker_node_ranks": result.metrics.get("worker_node_ranks")}
-    return finish(prepared, final, result.metrics, scaling.num_workers, {"scaling": asdict(scaling)}, extra)
+    # The same source resume uses: Ray's result can lack a checkpoint it never registered.
+    final = latest_checkpoint(prepared.run_dir)
+    metrics = result.metrics or {}
+    extra = {"worker_node_ranks": metrics.get("worker_node_ranks")}
+    return finish(prepared, final, metrics, scaling.num_workers, {"scaling": asdict(scaling)}, extra)
 
 
 def _fit_interruptibly(trainer: TorchTrainer):
