@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.raypar-installed
 
-.PHONY: demo test venv clean
+.PHONY: demo test bench venv clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) -m ray_jobs.bench --suite quick
 
 clean:
 	rm -rf $(VENV) runs

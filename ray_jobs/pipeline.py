@@ -7,6 +7,7 @@ references (never fetched by the driver), in the order a schedule (GPipe or 1F1B
 """
 from __future__ import annotations
 
+import logging
 import sys
 import time
 import warnings
@@ -212,6 +213,8 @@ class Pipeline:
 
     def shutdown(self) -> None:
         if self.compiled is not None:
+            # Ray logs each step of a normal teardown at INFO; only problems are worth showing.
+            logging.getLogger("ray.dag.compiled_dag_node").setLevel(logging.WARNING)
             self.compiled.teardown()
         for actor in self.actors:
             ray.kill(actor)

@@ -1,0 +1,147 @@
+"""Unit tests of the bench's own parts (no Ray): statistics, theory, tables, and the plain-torch peer."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ray_jobs.bench import (
+    SUITES,
+    fmt,
+    gpipe_bubble,
+    main,
+    markdown_table,
+    ratio,
+    render,
+    same_ops_as,
+    stats,
+    target,
+    targets,
+    torch_ddp,
+    transfer_overhead_us,
+    worker_counts,
+)
+from models import build_model
+from ray_jobs.config import TrainConfig
+from ray_jobs.data import read_dataset
+from tests.helpers import assert_same_weights, reference_for
+
+
+def test_stats_median_min_max():
+    assert stats([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "values": [3.0, 1.0, 2.0]}
+    assert stats([4, 1, 2, 3])["median"] == 2.5  # even count: mean of the middle two
+    assert stats([7])["min"] == stats([7])["max"] == 7.0
+    with pytest.raises(ValueError, match="no repetitions"):
+        stats([])
+
+
+def test_ratio_takes_medians_and_extreme_pairings():
+    got = ratio(stats([90, 100, 110]), stats([40, 50, 55]))
+    assert got == pytest.approx({"median": 2.0, "min": 90 / 55, "max": 110 / 40})
+
+
+def test_gpipe_bubble_theory():
+    assert gpipe_bubble(2, 8) == pytest.approx(1 / 9)
+    assert gpipe_bubble(4, 4) == pytest.approx(3 / 7)
+    assert gpipe_bubble(1, 16) == 0.0  # one stage never waits
+    assert gpipe_bubble(2, 1) == pytest.approx(1 / 2)  # one micro-batch: each stage idles half the time
+    with pytest.raises(ValueError):
+        gpipe_bubble(0, 4)
+
+
+def test_schedules_with_the_same_op_order_run_once():
+    assert {same_ops_as(s, 2, 1) for s in ("gpipe", "1f1b", "sequential")} == {"sequential"}  # F0 B0 everywhere
+    assert [same_ops_as(s, 2, 8) for s in ("gpipe", "1f1b", "sequential")] == ["gpipe", "1f1b", "sequential"]
+    assert same_ops_as("1f1b", 1, 4) == "sequential"  # one stage: 1F1B alternates from the start
+
+
+def test_transfer_overhead_per_transfer():
+    # 10 ms step, 6 ms computing, S=2, M=4: 8 transfers share 4 ms.
+    assert transfer_overhead_us(0.010, 0.006, 2, 4) == pytest.approx(500.0)
+
+
+def test_worker_counts_are_powers_of_two_up_to_the_cluster_and_divide_the_batch():
+    assert worker_counts(2, 128) == [1, 2]
+    assert worker_counts(6, 128) == [1, 2, 4]  # 6 does not divide 128
+    assert worker_counts(6, 96) == [1, 2, 4, 6]
+    assert worker_counts(1, 7) == [1]
+
+
+def test_markdown_table_aligns_numbers_right_and_text_left():
+    table = markdown_table(["case", "samples/s"], [["ddp", "1,234"], ["torch", "987 (900–1,000)"]])
+    assert table.splitlines() == [
+        "| case  |       samples/s |",
+        "|-------|----------------:|",
+        "| ddp   |           1,234 |",
+        "| torch | 987 (900–1,000) |",
+    ]
+    with pytest.raises(ValueError, match="2 columns"):
+        markdown_table(["a", "b"], [["only one"]])
+
+
+def test_markdown_table_treats_a_dash_as_a_missing_number():
+    table = markdown_table(["ratio"], [["0.97"], ["-"]])
+    assert table.splitlines()[1:] == ["|------:|", "|  0.97 |", "|     - |"]
+
+
+def test_render_reports_each_target_met_missed_or_not_run():
+    ingest = {
+        "rows": 1000, "file_bytes": 2**20,
+        "worker_rss_at_start_bytes": 100 * 2**20, "worker_peak_rss_bytes": 150 * 2**20,
+        "pyarrow_rows_per_second": stats([2e6]), "raypar_rows_per_second": stats([1e6]),
+        "raypar_over_pyarrow": ratio(stats([1e6]), stats([2e6])), "ddp_samples_per_second": stats([1e4]),
+        "ingest_over_training": ratio(stats([1e6]), stats([1e4])),
+    }
+    results = {"suite": "quick", "seconds": 1.0, "ingest": ingest, "plots": "plots skipped: matplotlib not installed",
+               "machine": {"cpu_count": 2, "torch": "t", "ray": "r", "python": "p", "platform": "x"}}
+    results["targets"] = targets(results)
+    text = render(results)
+    assert "| ingest rows/s / DDP samples/s                 | >= 5x            |   100.00 | met     |" in text
+    assert text.count("| not run |") == 5  # the DDP and pipeline cases did not run
+    assert "plots skipped: matplotlib not installed." in text
+
+
+def test_fmt_shows_median_then_range_and_collapses_a_flat_range():
+    assert fmt(stats([1000, 1200, 1100])) == "1,100 (1,000–1,200)"
+    assert fmt(stats([0.5]), ".2f") == "0.50"
+    assert fmt(stats([0.001, 0.002]), ".1f", 1e3) == "1.5 (1.0–2.0)"
+    assert fmt(None) == "-"
+
+
+def test_target_is_judged_on_the_median():
+    assert target("t", stats([0.9, 0.98, 0.99]), ">= 0.97", lambda v: v >= 0.97)["status"] == "met"
+    assert target("t", stats([0.9, 0.95, 0.99]), ">= 0.97", lambda v: v >= 0.97)["status"] == "missed"
+    assert target("t", None, ">= 0.97", lambda v: v >= 0.97)["status"] == "not run"
+
+
+def test_suites_keep_the_global_batch_divisible():
+    for suite in SUITES.values():
+        assert suite.ddp.batch_size % suite.ddp_workers == 0, suite.name
+        assert all(suite.pipeline.batch_size % m == 0 for m in suite.microbatches), suite.name
+        assert suite.target_microbatches in suite.microbatches, suite.name
+
+
+def test_bad_suite_is_one_error_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--suite", "nope"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "python -m ray_jobs.bench: error: --suite 'nope' is unknown; valid: quick, full, smoke (see --help)"
+    ]
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_torch_ddp_peer_with_two_processes_matches_a_single_process_loop(regression_data, shuffle):
+    """The peer must train exactly what raypar trains, or the overhead ratio compares different work."""
+    cfg = TrainConfig(model="seed-mlp", hidden=8, data=regression_data, epochs=2, batch_size=16, lr=0.05,
+                      seed=3, shuffle=shuffle)
+    dataset = read_dataset(regression_data)
+    torch.manual_seed(cfg.seed)
+    initial = build_model(cfg.model, dataset.in_features, dataset.out_features, hidden=8).state_dict()
+    got = torch_ddp(cfg, dataset, initial, world_size=2, timeout_s=120)
+    expected_state, expected_losses = reference_for(cfg)
+    assert_same_weights(got.state, expected_state)
+    # the loss of each step is all-reduced as a mean of shard means: float32 summation order.
+    torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6)
+    assert got.world_size == 2 and got.samples_per_second > 0
+    assert 0 < got.first_step_s < got.wall_s
+    assert len(got.peak_rss_bytes) == 2 and min(got.peak_rss_bytes) > 10 * 2**20
