@@ -362,6 +362,8 @@ def _peer_worker(
         result["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     torch.save(result, os.path.join(directory, f"rank{world_rank}.pt"))
     if world_size > 1:
+        # Leave together: a rank tearing gloo down while its peer is still saving can abort it.
+        dist.barrier()
         dist.destroy_process_group()
 
 

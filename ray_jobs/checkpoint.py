@@ -49,14 +49,6 @@ def save_checkpoint(state: TrainState, directory: str) -> str:
     return path
 
 
-def load_checkpoint(directory: str) -> TrainState:
-    path = os.path.join(directory, CHECKPOINT_FILE)
-    if not os.path.isfile(path):
-        raise ValueError(f"{directory} is not a raypar checkpoint: {CHECKPOINT_FILE} is missing")
-    with open(path, "rb") as file:
-        return from_bytes(file.read())
-
-
 def latest_checkpoint(run_dir: str) -> TrainState | None:
     """The newest checkpoint under ``run_dir`` that loads completely, or None.
 

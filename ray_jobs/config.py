@@ -17,7 +17,7 @@ OPTIMIZERS = ("sgd", "adamw")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
 
 
-def _doc(help_text: str, **extra: Any) -> dict[str, Any]:
+def flag_doc(help_text: str, **extra: Any) -> dict[str, Any]:
     return {"help": help_text, **extra}
 
 
@@ -25,38 +25,38 @@ def _doc(help_text: str, **extra: Any) -> dict[str, Any]:
 class TrainConfig:
     """What to train and how: identical for every strategy, so results are comparable."""
 
-    model: str = field(default="seed-mlp", metadata=_doc("registry model name", choices=sorted(MODELS)))
-    hidden: int | None = field(default=None, metadata=_doc("hidden width (seed-mlp, seed-split, mlp)"))
-    depth: int | None = field(default=None, metadata=_doc("number of Linear layers (mlp)"))
+    model: str = field(default="seed-mlp", metadata=flag_doc("registry model name", choices=sorted(MODELS)))
+    hidden: int | None = field(default=None, metadata=flag_doc("hidden width (seed-mlp, seed-split, mlp)"))
+    depth: int | None = field(default=None, metadata=flag_doc("number of Linear layers (mlp)"))
     data: str | None = field(
         default=None,
-        metadata=_doc("Parquet file or directory, local or a pyarrow.fs URI; default: synthetic data"),
+        metadata=flag_doc("Parquet file or directory, local or a pyarrow.fs URI; default: synthetic data"),
     )
-    feature_column: str = field(default="features", metadata=_doc("list<float> column of inputs"))
+    feature_column: str = field(default="features", metadata=flag_doc("list<float> column of inputs"))
     target_column: str = field(
-        default="target", metadata=_doc("list<float> column (regression) or integer column (classification)")
+        default="target", metadata=flag_doc("list<float> column (regression) or integer column (classification)")
     )
-    epochs: int = field(default=3, metadata=_doc("passes over the data"))
-    batch_size: int = field(default=32, metadata=_doc("global batch size, split evenly across workers"))
-    lr: float = field(default=0.05, metadata=_doc("learning rate"))
-    optimizer: str = field(default="sgd", metadata=_doc("optimizer", choices=OPTIMIZERS))
-    momentum: float = field(default=0.0, metadata=_doc("SGD momentum"))
-    weight_decay: float = field(default=0.0, metadata=_doc("weight decay (sgd and adamw)"))
-    seed: int = field(default=0, metadata=_doc("seeds initial weights and the epoch shuffles"))
-    shuffle: bool = field(default=True, metadata=_doc("visit rows in file order instead of a seeded shuffle"))
+    epochs: int = field(default=3, metadata=flag_doc("passes over the data"))
+    batch_size: int = field(default=32, metadata=flag_doc("global batch size, split evenly across workers"))
+    lr: float = field(default=0.05, metadata=flag_doc("learning rate"))
+    optimizer: str = field(default="sgd", metadata=flag_doc("optimizer", choices=OPTIMIZERS))
+    momentum: float = field(default=0.0, metadata=flag_doc("SGD momentum"))
+    weight_decay: float = field(default=0.0, metadata=flag_doc("weight decay (sgd and adamw)"))
+    seed: int = field(default=0, metadata=flag_doc("seeds initial weights and the epoch shuffles"))
+    shuffle: bool = field(default=True, metadata=flag_doc("visit rows in file order instead of a seeded shuffle"))
     init_from: str | None = field(
-        default=None, metadata=_doc("initial weights: a full state_dict (.pt) of the unsplit model")
+        default=None, metadata=flag_doc("initial weights: a full state_dict (.pt) of the unsplit model")
     )
-    checkpoint_every: int = field(default=1, metadata=_doc("checkpoint every N epochs (and always at the end)"))
-    num_checkpoints_to_keep: int = field(default=2, metadata=_doc("checkpoints kept in the run directory"))
-    storage_path: str = field(default="./runs", metadata=_doc("run storage: a local path or s3:// / gs:// URI"))
+    checkpoint_every: int = field(default=1, metadata=flag_doc("checkpoint every N epochs (and always at the end)"))
+    num_checkpoints_to_keep: int = field(default=2, metadata=flag_doc("checkpoints kept in the run directory"))
+    storage_path: str = field(default="./runs", metadata=flag_doc("run storage: a local path or s3:// / gs:// URI"))
     name: str | None = field(
-        default=None, metadata=_doc("run name; re-running a name resumes it (default: strategy + timestamp)")
+        default=None, metadata=flag_doc("run name; re-running a name resumes it (default: strategy + timestamp)")
     )
-    max_failures: int = field(default=0, metadata=_doc("worker-group restarts allowed, each resuming from the latest checkpoint"))
+    max_failures: int = field(default=0, metadata=flag_doc("worker-group restarts allowed, each resuming from the latest checkpoint"))
     resource_timeout: float = field(
         default=300.0,
-        metadata=_doc("seconds to wait for an autoscaling cluster to add the nodes a run needs "
+        metadata=flag_doc("seconds to wait for an autoscaling cluster to add the nodes a run needs "
                       "(a fixed-size cluster that lacks them fails at once)"),
     )
 
@@ -66,13 +66,13 @@ class TrainConfig:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer {self.optimizer!r} is unknown; valid: {', '.join(OPTIMIZERS)}")
         for flag in ("epochs", "batch_size", "checkpoint_every", "num_checkpoints_to_keep"):
-            _require(getattr(self, flag) >= 1, flag, getattr(self, flag), "at least 1")
+            require(getattr(self, flag) >= 1, flag, getattr(self, flag), "at least 1")
         for flag in ("hidden", "depth"):
             value = getattr(self, flag)
-            _require(value is None or value >= 1, flag, value, "at least 1")
-        _require(self.lr > 0, "lr", self.lr, "positive")
+            require(value is None or value >= 1, flag, value, "at least 1")
+        require(self.lr > 0, "lr", self.lr, "positive")
         for flag in ("momentum", "weight_decay", "max_failures", "resource_timeout"):
-            _require(getattr(self, flag) >= 0, flag, getattr(self, flag), "zero or more")
+            require(getattr(self, flag) >= 0, flag, getattr(self, flag), "zero or more")
         if self.optimizer != "sgd" and self.momentum:
             raise ValueError("--momentum applies to --optimizer sgd only")
 
@@ -85,21 +85,21 @@ class TrainConfig:
 class WorkerScaling:
     """How Ray Train places the workers of a data-parallel run (DDP or DataParallel)."""
 
-    num_workers: int = field(default=2, metadata=_doc("training worker processes (one per GPU on GPU clusters)"))
-    use_gpu: bool = field(default=False, metadata=_doc("give each worker GPUs and use nccl (default: CPU, gloo)"))
-    cpus_per_worker: float = field(default=1.0, metadata=_doc("CPUs reserved per worker; also its torch thread count"))
+    num_workers: int = field(default=2, metadata=flag_doc("training worker processes (one per GPU on GPU clusters)"))
+    use_gpu: bool = field(default=False, metadata=flag_doc("give each worker GPUs and use nccl (default: CPU, gloo)"))
+    cpus_per_worker: float = field(default=1.0, metadata=flag_doc("CPUs reserved per worker; also its torch thread count"))
     gpus_per_worker: float | None = field(
-        default=None, metadata=_doc("GPUs per worker, fractional allowed (default 1 with --use-gpu)")
+        default=None, metadata=flag_doc("GPUs per worker, fractional allowed (default 1 with --use-gpu)")
     )
     placement_strategy: str = field(
-        default="PACK", metadata=_doc("how workers spread over nodes", choices=PLACEMENT_STRATEGIES)
+        default="PACK", metadata=flag_doc("how workers spread over nodes", choices=PLACEMENT_STRATEGIES)
     )
 
     def __post_init__(self) -> None:
-        _require(self.num_workers >= 1, "num_workers", self.num_workers, "at least 1")
-        _require(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "positive")
+        require(self.num_workers >= 1, "num_workers", self.num_workers, "at least 1")
+        require(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "positive")
         if self.gpus_per_worker is not None:
-            _require(self.gpus_per_worker > 0, "gpus_per_worker", self.gpus_per_worker, "positive")
+            require(self.gpus_per_worker > 0, "gpus_per_worker", self.gpus_per_worker, "positive")
             if not self.use_gpu:
                 raise ValueError("--gpus-per-worker needs --use-gpu")
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
@@ -120,7 +120,7 @@ class WorkerScaling:
         return resources
 
 
-def _require(ok: bool, flag: str, value: Any, what: str) -> None:
+def require(ok: bool, flag: str, value: Any, what: str) -> None:
     if not ok:
         raise ValueError(f"--{flag.replace('_', '-')} must be {what}, got {value}")
 

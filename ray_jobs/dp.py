@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ray_jobs.cli import entry_point
-from ray_jobs.config import TrainConfig, WorkerScaling, _doc, _require
+from ray_jobs.config import TrainConfig, WorkerScaling, flag_doc, require
 from ray_jobs.runner import PreparedRun
 from ray_jobs.summary import TrainSummary
 from ray_jobs.train_workers import run_workers
@@ -23,12 +23,12 @@ from ray_jobs.train_workers import run_workers
 class DataParallelScaling:
     """The one worker of a DataParallel run."""
 
-    gpus: int = field(default=0, metadata=_doc("GPUs the worker holds, all on one node (0: CPU)"))
-    cpus_per_worker: float = field(default=1.0, metadata=_doc("CPUs reserved for the worker; also its torch threads"))
+    gpus: int = field(default=0, metadata=flag_doc("GPUs the worker holds, all on one node (0: CPU)"))
+    cpus_per_worker: float = field(default=1.0, metadata=flag_doc("CPUs reserved for the worker; also its torch threads"))
 
     def __post_init__(self) -> None:
-        _require(self.gpus >= 0, "gpus", self.gpus, "zero or more")
-        _require(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "positive")
+        require(self.gpus >= 0, "gpus", self.gpus, "zero or more")
+        require(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "positive")
 
     def check(self, cfg: TrainConfig) -> None:
         """One worker takes the whole global batch, so any batch size works."""

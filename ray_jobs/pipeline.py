@@ -24,7 +24,7 @@ from models import build_model, split_into_stages
 from ray_jobs import interrupts, storage
 from ray_jobs.checkpoint import TrainState, latest_checkpoint, merge_named_optimizer_states, to_bytes
 from ray_jobs.cli import entry_point
-from ray_jobs.config import PLACEMENT_STRATEGIES, TrainConfig, _doc, _require, require_divisible
+from ray_jobs.config import PLACEMENT_STRATEGIES, TrainConfig, flag_doc, require, require_divisible
 from ray_jobs.preflight import wait_for_bundles
 from ray_jobs.runner import PreparedRun, finish, record_failure
 from ray_jobs.schedules import BACKWARD, FORWARD, SCHEDULES, execution_order
@@ -46,31 +46,31 @@ STAGE_FAILURES = (RayActorError, RayChannelError)
 class PipelineScaling:
     """How the model is cut and where its stages run."""
 
-    num_stages: int = field(default=2, metadata=_doc("pipeline stages, one Ray actor (and GPU) each"))
-    num_microbatches: int = field(default=4, metadata=_doc("micro-batches per global batch"))
-    schedule: str = field(default="1f1b", metadata=_doc("micro-batch schedule", choices=sorted(SCHEDULES)))
-    use_gpu: bool = field(default=False, metadata=_doc("one GPU per stage (default: CPU)"))
-    cpus_per_stage: float = field(default=1.0, metadata=_doc("CPUs per stage actor; also its torch threads"))
+    num_stages: int = field(default=2, metadata=flag_doc("pipeline stages, one Ray actor (and GPU) each"))
+    num_microbatches: int = field(default=4, metadata=flag_doc("micro-batches per global batch"))
+    schedule: str = field(default="1f1b", metadata=flag_doc("micro-batch schedule", choices=sorted(SCHEDULES)))
+    use_gpu: bool = field(default=False, metadata=flag_doc("one GPU per stage (default: CPU)"))
+    cpus_per_stage: float = field(default=1.0, metadata=flag_doc("CPUs per stage actor; also its torch threads"))
     placement_strategy: str = field(
-        default="PACK", metadata=_doc("PACK keeps neighbouring stages on one node", choices=PLACEMENT_STRATEGIES)
+        default="PACK", metadata=flag_doc("PACK keeps neighbouring stages on one node", choices=PLACEMENT_STRATEGIES)
     )
     transport: str = field(
         default="auto",
-        metadata=_doc("compiled: a Ray Compiled Graph (nccl between GPUs); actor_calls: plain actor calls; "
+        metadata=flag_doc("compiled: a Ray Compiled Graph (nccl between GPUs); actor_calls: plain actor calls; "
                       "auto: compiled, falling back to actor calls", choices=TRANSPORTS),
     )
 
     batch_timeout_s: float = field(
-        default=600.0, metadata=_doc("fail the run when one global batch takes longer than this (s)")
+        default=600.0, metadata=flag_doc("fail the run when one global batch takes longer than this (s)")
     )
 
     def __post_init__(self) -> None:
-        _require(self.batch_timeout_s > 0, "batch_timeout_s", self.batch_timeout_s, "positive")
+        require(self.batch_timeout_s > 0, "batch_timeout_s", self.batch_timeout_s, "positive")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"--transport {self.transport!r} is unknown; valid: {', '.join(TRANSPORTS)}")
-        _require(self.num_stages >= 1, "num_stages", self.num_stages, "at least 1")
-        _require(self.num_microbatches >= 1, "num_microbatches", self.num_microbatches, "at least 1")
-        _require(self.cpus_per_stage > 0, "cpus_per_stage", self.cpus_per_stage, "positive")
+        require(self.num_stages >= 1, "num_stages", self.num_stages, "at least 1")
+        require(self.num_microbatches >= 1, "num_microbatches", self.num_microbatches, "at least 1")
+        require(self.cpus_per_stage > 0, "cpus_per_stage", self.cpus_per_stage, "positive")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--schedule {self.schedule!r} is unknown; valid: {', '.join(sorted(SCHEDULES))}")
         if self.placement_strategy not in PLACEMENT_STRATEGIES:

@@ -102,7 +102,3 @@ def record_failure(run_dir: str, reason: str) -> None:
 def recorded_failure(run_dir: str) -> str | None:
     path = storage.join(run_dir, FAILURE_FILE)
     return json.loads(storage.read_bytes(path))["error"] if storage.exists(path) else None
-
-
-def read_summary(run_dir: str) -> dict[str, Any]:
-    return json.loads(storage.read_bytes(storage.join(run_dir, "summary.json")))
