@@ -84,6 +84,12 @@ def start_time(pid: int) -> str | None:
 
 def group_alive(node: dict) -> bool:
     """True while the node's process group still has a process, and the group is still ours."""
+    try:
+        # When this process started the node (make demo), its exited leader stays a zombie,
+        # still counted in its group, until reaped here.
+        os.waitpid(node["pgid"], os.WNOHANG)
+    except ChildProcessError:
+        pass  # not our child: started by another `up`
     started = start_time(node["pgid"])
     if started is not None and started != node["started"]:
         return False  # the pid now belongs to an unrelated process: never signal it
