@@ -334,9 +334,7 @@ def _peer_worker(
     model.load_state_dict(initial_state)
     optimizer = build_optimizer(model.parameters(), cfg)
     wrapped = DistributedDataParallel(model) if world_size > 1 else model
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        features, targets = torch.from_numpy(dataset.features), torch.from_numpy(dataset.targets)
+    features, targets = dataset.tensors()
     loss_fn = loss_function(dataset.task)
 
     first_step_at, losses, samples, loop_s = None, [], 0, 0.0
@@ -408,9 +406,7 @@ def measure_ingest(path: str, batch_size: int, seed: int, repetitions: int) -> d
 
         began = time.perf_counter()
         dataset = read_dataset(path)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            features, targets = torch.from_numpy(dataset.features), torch.from_numpy(dataset.targets)
+        features, targets = dataset.tensors()
         for batch in global_batches(epoch_order(dataset.num_rows, seed, 0, True), batch_size):
             rows = shard(batch, 1, 0)
             features[rows], targets[rows]

@@ -63,8 +63,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.model not in MODELS:
             raise ValueError(f"--model {self.model!r} is unknown; valid models: {', '.join(sorted(MODELS))}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"--optimizer {self.optimizer!r} is unknown; valid: {', '.join(OPTIMIZERS)}")
+        require_choice(self.optimizer, OPTIMIZERS, "optimizer")
         for flag in ("epochs", "batch_size", "checkpoint_every", "num_checkpoints_to_keep"):
             require(getattr(self, flag) >= 1, flag, getattr(self, flag), "at least 1")
         for flag in ("hidden", "depth"):
@@ -102,11 +101,7 @@ class WorkerScaling:
             require(self.gpus_per_worker > 0, "gpus_per_worker", self.gpus_per_worker, "positive")
             if not self.use_gpu:
                 raise ValueError("--gpus-per-worker needs --use-gpu")
-        if self.placement_strategy not in PLACEMENT_STRATEGIES:
-            raise ValueError(
-                f"--placement-strategy {self.placement_strategy!r} is unknown; "
-                f"valid: {', '.join(PLACEMENT_STRATEGIES)}"
-            )
+        require_choice(self.placement_strategy, PLACEMENT_STRATEGIES, "placement_strategy")
 
     def check(self, cfg: TrainConfig) -> None:
         """Checks that need both configs, run before Ray is touched."""
@@ -123,6 +118,11 @@ class WorkerScaling:
 def require(ok: bool, flag: str, value: Any, what: str) -> None:
     if not ok:
         raise ValueError(f"--{flag.replace('_', '-')} must be {what}, got {value}")
+
+
+def require_choice(value: str, choices: tuple[str, ...] | list[str], flag: str) -> None:
+    if value not in choices:
+        raise ValueError(f"--{flag.replace('_', '-')} {value!r} is unknown; valid: {', '.join(choices)}")
 
 
 def require_divisible(batch_size: int, parts: int, flag: str) -> None:

@@ -5,14 +5,16 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+import torch
 
-from ray_jobs.config import ArgumentParser
+from ray_jobs.config import ArgumentParser, require_choice
 from ray_jobs.storage import resolve
 
 TASKS = ("regression", "classification")
@@ -39,6 +41,14 @@ class Dataset:
     @property
     def out_features(self) -> int:
         return self.num_classes if self.task == "classification" else self.targets.shape[1]
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features and targets as tensors sharing the arrays' memory (no copy)."""
+        with warnings.catch_warnings():
+            # Object-store arrays are read-only and shared by a node's workers; training only
+            # indexes them, never writes.
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return torch.from_numpy(self.features), torch.from_numpy(self.targets)
 
 
 def _column(table: pa.Table, name: str, flag: str) -> pa.ChunkedArray:
@@ -123,8 +133,7 @@ def synthesize(
     rows: int, in_features: int, out_features: int, task: str = "regression", seed: int = 0
 ) -> pa.Table:
     """The tutorials' random inputs, with targets from a known linear map so there is something to learn."""
-    if task not in TASKS:
-        raise ValueError(f"--task {task!r} is unknown; valid: {', '.join(TASKS)}")
+    require_choice(task, TASKS, "task")
     for flag, value in (("rows", rows), ("in-features", in_features), ("out-features", out_features)):
         if value < 1:
             raise ValueError(f"--{flag} must be at least 1, got {value}")

@@ -9,7 +9,6 @@ import logging
 import os
 import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -106,7 +105,7 @@ class _Worker:
         self.cfg, self.num_rows, self.device = cfg, dataset.num_rows, device
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_function(dataset.task)
         self.world_rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
-        self.features, self.targets = _as_tensors(dataset, device)
+        self.features, self.targets = (tensor.to(device) for tensor in dataset.tensors())
 
     def run_epoch(self, epoch: int, crash: bool = False) -> list[float]:
         """Train one epoch; returns every step's global-batch loss, the same on every rank."""
@@ -141,14 +140,6 @@ def _report(metrics: dict[str, Any], state: TrainState | None) -> None:
     with tempfile.TemporaryDirectory(prefix="raypar-ckpt-") as directory:
         save_checkpoint(state, directory)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
-
-
-def _as_tensors(dataset: Dataset, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    with warnings.catch_warnings():
-        # Object-store arrays are read-only and shared by the node's workers; we only index them.
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        features, targets = torch.from_numpy(dataset.features), torch.from_numpy(dataset.targets)
-    return features.to(device), targets.to(device)
 
 
 def _train_state(model: nn.Module, optimizer: torch.optim.Optimizer, epochs: int, losses: list[float]) -> TrainState:

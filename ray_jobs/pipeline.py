@@ -24,7 +24,7 @@ from models import build_model, split_into_stages
 from ray_jobs import interrupts, storage
 from ray_jobs.checkpoint import TrainState, latest_checkpoint, merge_named_optimizer_states, to_bytes
 from ray_jobs.cli import entry_point
-from ray_jobs.config import PLACEMENT_STRATEGIES, TrainConfig, flag_doc, require, require_divisible
+from ray_jobs.config import PLACEMENT_STRATEGIES, TrainConfig, flag_doc, require, require_choice, require_divisible
 from ray_jobs.preflight import wait_for_bundles
 from ray_jobs.runner import PreparedRun, finish, record_failure
 from ray_jobs.schedules import BACKWARD, FORWARD, SCHEDULES, execution_order
@@ -66,16 +66,12 @@ class PipelineScaling:
 
     def __post_init__(self) -> None:
         require(self.batch_timeout_s > 0, "batch_timeout_s", self.batch_timeout_s, "positive")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"--transport {self.transport!r} is unknown; valid: {', '.join(TRANSPORTS)}")
+        require_choice(self.transport, TRANSPORTS, "transport")
         require(self.num_stages >= 1, "num_stages", self.num_stages, "at least 1")
         require(self.num_microbatches >= 1, "num_microbatches", self.num_microbatches, "at least 1")
         require(self.cpus_per_stage > 0, "cpus_per_stage", self.cpus_per_stage, "positive")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"--schedule {self.schedule!r} is unknown; valid: {', '.join(sorted(SCHEDULES))}")
-        if self.placement_strategy not in PLACEMENT_STRATEGIES:
-            raise ValueError(f"--placement-strategy {self.placement_strategy!r} is unknown; "
-                             f"valid: {', '.join(PLACEMENT_STRATEGIES)}")
+        require_choice(self.schedule, sorted(SCHEDULES), "schedule")
+        require_choice(self.placement_strategy, PLACEMENT_STRATEGIES, "placement_strategy")
 
     def check(self, cfg: TrainConfig) -> None:
         """Checks that need both configs, run before Ray is touched."""
@@ -317,8 +313,6 @@ def run(prepared: PreparedRun, scaling: PipelineScaling, crash_at_epoch: int | N
         try:
             attempt = _start_attempt(pipeline, prepared)
             _train_epochs(pipeline, prepared, attempt, crash_at_epoch)
-            if attempt.state.optimizer == {}:  # a finished run re-run: nothing trained, weights as saved
-                attempt.state.model, attempt.state.optimizer = pipeline.gather_state()
             return _finish(prepared, scaling, pipeline, attempt)
         except STAGE_FAILURES as error:
             reason = pipeline.describe_failure(error)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from typing import Any
 
 import ray
@@ -47,11 +46,9 @@ class StageWorker:
         self.module = split_into_stages(model, num_stages)[stage_index].to(self.device)
         self.optimizer = build_optimizer(self.module.parameters(), cfg)
         self.loss_fn = loss_function(dataset.task)
-        with warnings.catch_warnings():
-            # Object-store arrays are read-only and shared by the node's actors; we only index them.
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            self.features = torch.from_numpy(dataset.features) if self.is_first else None
-            self.targets = torch.from_numpy(dataset.targets) if self.is_last else None
+        features, targets = dataset.tensors()
+        self.features = features if self.is_first else None
+        self.targets = targets if self.is_last else None
         self.alive: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.loss_sum = torch.zeros(())
         self.busy_seconds = 0.0
