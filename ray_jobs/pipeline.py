@@ -28,7 +28,7 @@ from ray_jobs.config import PLACEMENT_STRATEGIES, TrainConfig, flag_doc, require
 from ray_jobs.preflight import wait_for_bundles
 from ray_jobs.runner import PreparedRun, finish, record_failure
 from ray_jobs.schedules import BACKWARD, FORWARD, SCHEDULES, execution_order
-from ray_jobs.stage import StageWorker
+from ray_jobs.stage import PeerLost, StageWorker
 from ray_jobs.summary import TrainSummary
 from ray_jobs.train_workers import TrainingFailed
 from ray_jobs.training import epoch_order, global_batches, non_finite_loss, shard
@@ -37,9 +37,10 @@ EPOCH_PREFIX = "checkpoint_epoch_"
 PLACEMENT_TIMEOUT_S = 120.0
 # Global batches in flight at once; more only holds more activations, the overlap is the same.
 MAX_INFLIGHT_BATCHES = 2
-TRANSPORTS = ("auto", "compiled", "actor_calls")
-# What a dead stage looks like to the driver, through either transport.
-STAGE_FAILURES = (RayActorError, RayChannelError)
+TRANSPORTS = ("auto", "p2p", "compiled", "actor_calls")
+# What a dead stage looks like to the driver, through any transport (p2p: a peer's send or
+# receive fails before Ray reports the dead actor).
+STAGE_FAILURES = (RayActorError, RayChannelError, PeerLost)
 
 
 @dataclass
@@ -56,8 +57,9 @@ class PipelineScaling:
     )
     transport: str = field(
         default="auto",
-        metadata=flag_doc("compiled: a Ray Compiled Graph (nccl between GPUs); actor_calls: plain actor calls; "
-                      "auto: compiled, falling back to actor calls", choices=TRANSPORTS),
+        metadata=flag_doc("p2p: torch.distributed send/recv between the stages (gloo on CPU, nccl on GPU), "
+                      "one actor call per stage per batch; compiled: a Ray Compiled Graph (nccl between GPUs); "
+                      "actor_calls: one actor call per micro-batch op; auto: p2p", choices=TRANSPORTS),
     )
 
     batch_timeout_s: float = field(
@@ -100,29 +102,32 @@ class Pipeline:
         self.actors = [self._start(index, prepared, dataset, initial) for index in range(scaling.num_stages)]
         self.nodes = ray.get([actor.node_id.remote() for actor in self.actors])
         self.order = execution_order(SCHEDULES[scaling.schedule](scaling.num_stages, scaling.num_microbatches))
-        self.transport, self.compiled = self._compile()
+        self.transport, self.compiled = self._connect(scaling)
         self.batch_seconds = 0.0  # running estimate of one batch's duration
 
     @property
     def device_transport(self) -> bool:
         return self.scaling.use_gpu and self.scaling.transport != "actor_calls"
 
-    def _compile(self):
-        if self.scaling.transport == "actor_calls":
+    def _connect(self, scaling: PipelineScaling):
+        """Set up the transport; returns its name and the compiled graph, if any."""
+        if scaling.transport == "actor_calls":
             return "actor_calls", None
-        if self.scaling.transport == "auto" and set(self.nodes) != {ray.get_runtime_context().get_node_id()}:
+        if scaling.transport in ("auto", "p2p"):
+            address = ray.get(self.actors[0].rendezvous_address.remote())
+            ray.get([actor.join_group.remote(address, scaling.schedule, scaling.batch_timeout_s)
+                     for actor in self.actors])
+            return ("p2p_nccl" if scaling.use_gpu else "p2p_gloo"), None
+        if len(set(self.nodes)) > 1:
             # Measured on Ray 2.60 (local multi-node cluster): compiled-graph channels between
-            # nodes never delivered and the run hung, so auto keeps them to one node.
-            print("[raypar] stages span several nodes: using actor calls (--transport compiled to force)", flush=True)
-            return "actor_calls", None
+            # nodes never delivered and the run hung.
+            warnings.warn("--transport compiled with stages on several nodes hung on Ray 2.60 here; "
+                          "--transport p2p is the tested choice", stacklevel=2)
         try:
             graph = build_graph(self.actors, self.order, self.device_transport)
             return ("compiled_graph_nccl" if self.device_transport else "compiled_graph"), graph.experimental_compile()
         except Exception as error:  # Ray raises several types for graphs it cannot compile
-            if self.scaling.transport == "compiled":
-                raise TrainingFailed(f"--transport compiled: the compiled graph failed to build: {error}") from error
-            warnings.warn(f"compiled graph unavailable ({error}); using plain actor calls", stacklevel=2)
-            return "actor_calls", None
+            raise TrainingFailed(f"--transport compiled: the compiled graph failed to build: {error}") from error
 
     def _start(self, index: int, prepared: PreparedRun, dataset, initial):
         options = dict(
@@ -159,6 +164,8 @@ class Pipeline:
         rows = [shard(batch, self.scaling.num_microbatches, m) for m in range(self.scaling.num_microbatches)]
         if self.compiled is not None:
             return self.compiled.execute(*rows)
+        if self.transport.startswith("p2p"):
+            return [actor.run_batch.remote(rows) for actor in self.actors]
         outputs = {}
         for stage, op in self.order:
             m = op.microbatch
@@ -177,7 +184,10 @@ class Pipeline:
             time.sleep(max(0.0, 0.8 * self.batch_seconds - (time.perf_counter() - submitted)))
         began = time.perf_counter()
         try:
-            loss = ray.get(handle, timeout=self.scaling.batch_timeout_s)[-1]
+            if self.compiled is not None:
+                loss = ray.get(handle, timeout=self.scaling.batch_timeout_s)[-1]
+            else:
+                loss = _get_failing_fast(handle, self.scaling.batch_timeout_s)[-1]
         except (GetTimeoutError, RayChannelTimeoutError):
             raise TrainingFailed(
                 f"a global batch did not finish within --batch-timeout-s {self.scaling.batch_timeout_s:g} "
@@ -215,6 +225,18 @@ class Pipeline:
         for actor in self.actors:
             ray.kill(actor)
         remove_placement_group(self.group)
+
+
+def _get_failing_fast(refs: list, timeout_s: float) -> list:
+    """``ray.get`` of every ref, raising the first failure as soon as it happens: a stage
+    blocked on a dead peer must not hide the dead stage's error until its own timeout."""
+    deadline, waiting = time.monotonic() + timeout_s, list(refs)
+    while waiting:
+        ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise GetTimeoutError(f"{len(waiting)} stage results still missing after {timeout_s:g} s")
+        ray.get(ready)
+    return ray.get(refs)
 
 
 def build_graph(actors: list, order: list, device_transport: bool) -> MultiOutputNode:

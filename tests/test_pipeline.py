@@ -24,8 +24,9 @@ CASES = [
     (model, schedule, num_microbatches, shuffle, transport)
     for model in MODELS
     for schedule in ("gpipe", "1f1b")
-    for num_microbatches, shuffle, transport in ((1, True, "compiled"), (2, False, "actor_calls"), (4, True, "compiled"))
-] + [("mlp-3", "sequential", 4, False, "compiled")]
+    for num_microbatches, shuffle, transport in ((1, True, "p2p"), (2, False, "actor_calls"), (4, True, "compiled"))
+] + [("mlp-3", "sequential", 4, False, "p2p"), ("mlp-4", "1f1b", 4, False, "p2p")]
+TRANSPORT_NAMES = {"p2p": "p2p_gloo", "compiled": "compiled_graph", "actor_calls": "actor_calls"}
 
 
 @pytest.fixture
@@ -49,7 +50,7 @@ def test_matches_single_process_reference(ray_cluster, base, model, schedule, nu
     record = json.loads(open(f"{summary.run_dir}/summary.json").read())
     assert record["strategy"] == "pipeline" and record["world_size"] == num_stages
     assert len(record["stage_nodes"]) == num_stages and "worker_nodes" not in record
-    assert record["transport"] == {"compiled": "compiled_graph", "actor_calls": "actor_calls"}[transport]
+    assert record["transport"] == TRANSPORT_NAMES[transport]
     assert 0.0 <= record["bubble_fraction"] < 1.0
     if schedule == "1f1b":
         assert record["peak_live_microbatches"] <= min(num_stages, num_microbatches)
@@ -75,7 +76,7 @@ def test_ddp_checkpoint_seeds_a_pipeline_and_pipeline_weights_load_into_the_mode
     assert ddp_summary.epochs_completed == 2
 
 
-@pytest.mark.parametrize("transport", ["compiled", "actor_calls"])
+@pytest.mark.parametrize("transport", ["p2p", "compiled", "actor_calls"])
 def test_killed_stage_resumes_from_checkpoint_with_reference_weights(ray_cluster, base, transport):
     cfg = with_(base, model="mlp", hidden=8, depth=3, epochs=3, max_failures=1)
     scaling = PipelineScaling(num_stages=3, num_microbatches=2, transport=transport)
