@@ -78,6 +78,10 @@ class Workload:
     def steps_per_epoch(self) -> int:
         return self.rows // self.batch_size
 
+    @property
+    def samples_per_epoch(self) -> int:
+        return self.steps_per_epoch * self.batch_size
+
 
 @dataclass(frozen=True)
 class Suite:
@@ -101,9 +105,10 @@ class Suite:
     microbatches: tuple[int, ...]
     target_microbatches: int
     """M of the pipeline targets, and of the transport comparison."""
-    actor_call_schedules: tuple[str, ...]
-    """Schedules also run with plain actor calls (all M in ``actor_call_microbatches``)."""
-    actor_call_microbatches: tuple[int, ...]
+    other_transport_schedules: tuple[str, ...]
+    """Schedules also run over the other transports (compiled graph, plain actor calls), at every M
+    of ``other_transport_microbatches``."""
+    other_transport_microbatches: tuple[int, ...]
     ingest_repetitions: int
 
 
@@ -114,17 +119,19 @@ SUITES: dict[str, Suite] = {
         # 256 rows per worker and step: enough compute that gloo's all-reduce does not dominate.
         ddp=Workload("mlp", 256, 4, rows=32768, in_features=32, out_features=8, batch_size=512, epochs=5),
         pipeline=Workload("mlp", 1024, 8, rows=2048, in_features=1024, out_features=1024, batch_size=256, epochs=3),
-        fit_repetitions=2,
-        overhead_repetitions=3,
+        # Each run's epochs after the first are its repetitions: one Ray Train fit costs ~15 s of
+        # start-up here, so repeating runs is kept for the start-up figure.
+        fit_repetitions=1,
+        overhead_repetitions=2,
         cheap_repetitions=3,
-        pipeline_repetitions=2,
+        pipeline_repetitions=1,
         ddp_workers=2,
         max_workers=2,
         num_stages=2,
         microbatches=(1, 2, 4, 8, 16),
         target_microbatches=8,
-        actor_call_schedules=("gpipe",),
-        actor_call_microbatches=(8,),
+        other_transport_schedules=("gpipe",),
+        other_transport_microbatches=(8,),
         ingest_repetitions=5,
     ),
     "full": Suite(
@@ -141,15 +148,15 @@ SUITES: dict[str, Suite] = {
         num_stages=2,
         microbatches=(1, 2, 4, 8, 16),
         target_microbatches=8,
-        actor_call_schedules=("gpipe", "1f1b", "sequential"),
-        actor_call_microbatches=(1, 2, 4, 8, 16),
+        other_transport_schedules=("gpipe", "1f1b", "sequential"),
+        other_transport_microbatches=(1, 2, 4, 8, 16),
         ingest_repetitions=10,
     ),
     "smoke": Suite(
         name="smoke",
         description="seconds-scale check that the bench itself runs; its numbers mean nothing",
-        ddp=Workload("mlp", 32, 3, rows=512, in_features=8, out_features=4, batch_size=64, epochs=1),
-        pipeline=Workload("mlp", 64, 4, rows=256, in_features=64, out_features=64, batch_size=64, epochs=1),
+        ddp=Workload("mlp", 32, 3, rows=512, in_features=8, out_features=4, batch_size=64, epochs=2),
+        pipeline=Workload("mlp", 64, 4, rows=256, in_features=64, out_features=64, batch_size=64, epochs=2),
         fit_repetitions=1,
         overhead_repetitions=1,
         cheap_repetitions=1,
@@ -159,8 +166,8 @@ SUITES: dict[str, Suite] = {
         num_stages=2,
         microbatches=(1, 4),
         target_microbatches=4,
-        actor_call_schedules=("gpipe",),
-        actor_call_microbatches=(4,),
+        other_transport_schedules=("gpipe",),
+        other_transport_microbatches=(4,),
         ingest_repetitions=2,
     ),
 }
@@ -182,6 +189,13 @@ def stats(values: Sequence[float]) -> dict[str, Any]:
         raise ValueError("no repetitions to summarise")
     values = [float(v) for v in values]
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
+
+
+def steady(epoch_seconds: Sequence[float], samples_per_epoch: int) -> list[float]:
+    """Samples/s of each epoch after the first, which pays one-time costs (allocations, the
+    first gloo exchanges, caches); these are a run's repetitions. One epoch: that epoch."""
+    timed = epoch_seconds[1:] or epoch_seconds
+    return [samples_per_epoch / seconds for seconds in timed]
 
 
 def ratio(numerator: dict[str, Any], denominator: dict[str, Any]) -> dict[str, Any]:
@@ -273,6 +287,7 @@ class PeerResult:
     wall_s: float
     """From the call that starts the processes until all have exited."""
     loop_s: float
+    epoch_seconds: list[float]
     losses: list[float]
     state: dict[str, torch.Tensor] = field(repr=False)
     peak_rss_bytes: list[int]
@@ -310,10 +325,11 @@ def torch_ddp(
     return PeerResult(
         world_size=world_size,
         num_threads=num_threads,
-        samples_per_second=rank0["samples"] / rank0["loop_s"],
+        samples_per_second=rank0["samples"] / sum(rank0["epoch_seconds"]),
         first_step_s=rank0["first_step_at"] - began,
         wall_s=wall,
-        loop_s=rank0["loop_s"],
+        loop_s=sum(rank0["epoch_seconds"]),
+        epoch_seconds=rank0["epoch_seconds"],
         losses=rank0["losses"],
         state=rank0["state"],
         peak_rss_bytes=[r["peak_rss_bytes"] for r in ranks],
@@ -337,7 +353,7 @@ def _peer_worker(
     features, targets = dataset.tensors()
     loss_fn = loss_function(dataset.task)
 
-    first_step_at, losses, samples, loop_s = None, [], 0, 0.0
+    first_step_at, losses, samples, epoch_seconds = None, [], 0, []
     for epoch in range(cfg.epochs):
         began = time.perf_counter()
         batches = global_batches(epoch_order(dataset.num_rows, cfg.seed, epoch, cfg.shuffle), cfg.batch_size)
@@ -352,9 +368,9 @@ def _peer_worker(
             dist.all_reduce(step_losses)
             step_losses = step_losses / world_size
         losses.append(sum(step_losses.tolist()) / len(batches))
-        loop_s += time.perf_counter() - began
+        epoch_seconds.append(time.perf_counter() - began)
         samples += len(batches) * cfg.batch_size
-    result = {"first_step_at": first_step_at, "losses": losses, "samples": samples, "loop_s": loop_s,
+    result = {"first_step_at": first_step_at, "losses": losses, "samples": samples, "epoch_seconds": epoch_seconds,
               "peak_rss_bytes": peak_rss_bytes()}
     if world_rank == 0:
         result["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -457,17 +473,18 @@ class Bench:
         else:
             summary = dp.run(prepared, dp.DataParallelScaling(cpus_per_worker=float(num_workers)))
         wall = time.perf_counter() - began
-        loop = cfg.epochs * self.suite.ddp.steps_per_epoch * cfg.batch_size / summary.samples_per_second
+        epochs = summary.extra["epoch_seconds"]
         self._clean(prepared.run_dir)
-        return {"samples_per_second": summary.samples_per_second, "wall_s": wall, "loop_s": loop,
-                "startup_s": wall - loop, "final_loss": summary.losses[-1]}
+        return {"samples_per_second": steady(epochs, self.suite.ddp.samples_per_epoch), "wall_s": wall,
+                "loop_s": sum(epochs), "startup_s": wall - sum(epochs), "final_loss": summary.losses[-1]}
 
     def peer(self, work: Workload, data: str, world_size: int, num_threads: int) -> dict[str, Any]:
         cfg = self.config(work, data, f"torch{world_size}")
         prepared = prepare(cfg, "torch")
         result = torch_ddp(cfg, prepared.dataset, prepared.initial_state, world_size, num_threads)
         self._clean(prepared.run_dir)
-        return {"samples_per_second": result.samples_per_second, "wall_s": result.wall_s, "loop_s": result.loop_s,
+        return {"samples_per_second": steady(result.epoch_seconds, work.samples_per_epoch),
+                "wall_s": result.wall_s, "loop_s": result.loop_s,
                 "startup_s": result.wall_s - result.loop_s, "first_step_s": result.first_step_s,
                 "peak_rss_bytes": max(result.peak_rss_bytes), "final_loss": result.losses[-1]}
 
@@ -483,13 +500,20 @@ class Bench:
             warnings.filterwarnings("ignore", message=".*the pipeline can never fill.*")
             summary = pipeline.run(prepared, scaling)
         self._clean(prepared.run_dir)
-        work = self.suite.pipeline
-        step_s = work.batch_size / summary.samples_per_second
-        bubble = summary.extra["bubble_fraction"]
-        busy_s = (1.0 - bubble) * self.suite.num_stages * step_s  # stage compute per step, all stages
-        return {"samples_per_second": summary.samples_per_second, "bubble_fraction": bubble,
-                "transport": summary.extra["transport"], "step_s": step_s, "busy_s": busy_s,
-                "transfer_us": transfer_overhead_us(step_s, busy_s, self.suite.num_stages, num_microbatches)}
+        work, num_stages = self.suite.pipeline, self.suite.num_stages
+        # Epochs after the first are the run's repetitions (see ``steady``).
+        epochs = list(zip(summary.extra["epoch_seconds"], summary.extra["epoch_stage_time_fractions"]))
+        timed = epochs[1:] or epochs
+        step_s = [seconds / work.steps_per_epoch for seconds, _ in timed]
+        busy_s = [(1.0 - f["bubble"]) * num_stages * step for step, (_, f) in zip(step_s, timed)]
+        result = {"samples_per_second": steady(summary.extra["epoch_seconds"], work.samples_per_epoch),
+                  "bubble_fraction": [f["bubble"] for _, f in timed],
+                  "transport": summary.extra["transport"], "step_s": step_s, "busy_s": busy_s,
+                  "transfer_us": [transfer_overhead_us(step, busy, num_stages, num_microbatches)
+                                  for step, busy in zip(step_s, busy_s)]}
+        for key in ("compute", "optimizer", "receive_wait"):
+            result[f"{key}_fraction"] = [f.get(key, 0.0) for _, f in timed]
+        return result
 
     def ingest(self) -> dict[str, Any]:
         import ray
@@ -578,15 +602,15 @@ class Bench:
 
     def pipeline_case(self) -> dict[str, Any]:
         suite, work = self.suite, self.suite.pipeline
-        wanted = [(schedule, m, "compiled") for m in suite.microbatches for schedule in PIPELINE_SCHEDULES]
-        wanted += [(schedule, m, "actor_calls") for m in suite.actor_call_microbatches
-                   for schedule in suite.actor_call_schedules]
+        wanted = [(schedule, m, PIPELINE_TRANSPORT) for m in suite.microbatches for schedule in PIPELINE_SCHEDULES]
+        wanted += [(schedule, m, transport) for m in suite.other_transport_microbatches
+                   for schedule in suite.other_transport_schedules for transport in OTHER_TRANSPORTS]
         same_as = {c: same_ops_as(c[0], suite.num_stages, c[1]) for c in wanted}
         configs = [c for c in wanted if same_as[c] == c[0]]  # run each distinct op order once
         raw: dict[tuple, list[dict]] = {c: [] for c in configs}
         single: list[dict] = []
         self.log("[bench] warm-up (discarded): one pipeline run, one single-process run")
-        self.pipeline("gpipe", suite.target_microbatches, "compiled")
+        self.pipeline("gpipe", suite.target_microbatches, PIPELINE_TRANSPORT)
         self.peer(work, self.pipeline_data, 1, THREADS_PER_STAGE)
         for rep in range(suite.pipeline_repetitions):
             if rep < suite.cheap_repetitions:
@@ -616,15 +640,23 @@ class Bench:
                 "bubble_theory": gpipe_bubble(suite.num_stages, m) if schedule != "sequential" else None,
                 "transfer_us": figures["transfer_us"] if schedule == "sequential" else None,
                 "bytes_per_transfer": row_bytes,
+                "time_fractions": {key: figures.get(f"{key}_fraction") for key in ("compute", "optimizer",
+                                                                                  "receive_wait")},
                 "raw": runs,
             })
         transports = []
-        for schedule in suite.actor_call_schedules:
-            for m in suite.actor_call_microbatches:
-                compiled = summarise(raw[(same_as[(schedule, m, "compiled")], m, "compiled")])["samples_per_second"]
-                calls = summarise(raw[(same_as[(schedule, m, "actor_calls")], m, "actor_calls")])["samples_per_second"]
-                transports.append({"schedule": schedule, "num_microbatches": m, "compiled": compiled,
-                                   "actor_calls": calls, "compiled_over_actor_calls": ratio(compiled, calls)})
+        for schedule in suite.other_transport_schedules:
+            for m in suite.other_transport_microbatches:
+                figures = {t: summarise(raw[(same_as[(schedule, m, t)], m, t)])
+                           for t in (PIPELINE_TRANSPORT, *OTHER_TRANSPORTS)}
+                main = figures[PIPELINE_TRANSPORT]["samples_per_second"]
+                transports.append({
+                    "schedule": schedule, "num_microbatches": m,
+                    **{t: {"samples_per_second": f["samples_per_second"], "bubble_fraction": f["bubble_fraction"]}
+                       for t, f in figures.items()},
+                    **{f"{PIPELINE_TRANSPORT}_over_{t}": ratio(main, figures[t]["samples_per_second"])
+                       for t in OTHER_TRANSPORTS},
+                })
         return {"workload": asdict(work), "num_stages": suite.num_stages, "threads_per_stage": THREADS_PER_STAGE,
                 "single_process": {**single_figures, "num_threads": THREADS_PER_STAGE, "raw": single},
                 "configs": rows, "transports": transports}
@@ -650,11 +682,13 @@ class Bench:
         result = run()
         into.append(result)
         sps = result.get("samples_per_second")
-        self.log(f"[bench] {label}, repetition {rep + 1}: "
-                 f"{sps:,.0f} samples/s, {time.perf_counter() - began:.1f} s")
+        sps = statistics.median(sps) if isinstance(sps, list) else sps
+        self.log(f"[bench] {label}, run {rep + 1}: {sps:,.0f} samples/s, {time.perf_counter() - began:.1f} s")
 
 
 PIPELINE_SCHEDULES = ("sequential", "gpipe", "1f1b")
+PIPELINE_TRANSPORT = "p2p"  # raypar's default (auto); the sweep's transport
+OTHER_TRANSPORTS = ("compiled", "actor_calls")  # compared with it at a few configurations
 
 
 def same_ops_as(schedule: str, num_stages: int, num_microbatches: int) -> str:
@@ -679,8 +713,10 @@ def summarise(runs: list[dict[str, Any]], text: Sequence[str] = ()) -> dict[str,
     """Per-key statistics over repetitions; ``text`` keys keep their (single) value."""
     if not runs:
         return {}
-    keys = [k for k, v in runs[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    figures: dict[str, Any] = {k: stats([r[k] for r in runs]) for k in keys}
+    keys = [k for k, v in runs[0].items() if isinstance(v, (int, float, list)) and not isinstance(v, bool)]
+    # A list holds one run's timed epochs: every epoch of every run is one repetition.
+    figures: dict[str, Any] = {k: stats([x for r in runs for x in (r[k] if isinstance(r[k], list) else [r[k]])])
+                               for k in keys}
     for key in text:
         values = sorted({str(r[key]) for r in runs})
         figures[key] = values[0] if len(values) == 1 else "/".join(values)
@@ -701,7 +737,7 @@ def targets(results: dict[str, Any]) -> list[dict]:
     pipe, settings = results.get("pipeline"), results.get("settings", {})
     num_stages, m = settings.get("num_stages", "?"), settings.get("target_microbatches", "?")
     for schedule in ("gpipe", "1f1b"):
-        row = _pipeline_row(pipe, schedule, m, "compiled") if pipe else None
+        row = _pipeline_row(pipe, schedule, m, PIPELINE_TRANSPORT) if pipe else None
         label = f"pipeline {schedule} S={num_stages} M={m}"
         found.append(target(f"{label} / sequential samples/s", row and row["speedup_vs_sequential"],
                             f">= {TARGET_PIPELINE_SPEEDUP}x", lambda v: v >= TARGET_PIPELINE_SPEEDUP, "x"))
@@ -795,8 +831,10 @@ def render(results: dict[str, Any]) -> str:
             "", f"## 3. Pipeline: {pipe['num_stages']} stage actors", "",
             f"{_workload_line(work)}; {pipe['threads_per_stage']} CPU and torch thread per stage. "
             f"Single process (plain torch loop, whole model, {single['num_threads']} thread): "
-            f"{fmt(single['samples_per_second'])} samples/s. Bubble: measured stage idle / wall "
-            "(the optimizer step and transfers count as idle); theory: GPipe (S-1)/(M+S-1). "
+            f"{fmt(single['samples_per_second'])} samples/s. Bubble: share of the stages' time (wall x S) "
+            "spent neither in forward/backward nor in the optimizer step (which every schedule runs once "
+            "per batch, outside the fill and drain the theory counts); waiting, transfers and dispatch are "
+            "bubble. Theory: GPipe (S-1)/(M+S-1), equal stages and free transfers. "
             "`(= sequential)`: the same op order on every stage, so one run reported under both names.",
             "",
             markdown_table(
@@ -809,13 +847,26 @@ def render(results: dict[str, Any]) -> str:
                   f"{r['bubble_theory']:.3f}" if r["bubble_theory"] is not None else "-"]
                  for r in pipe["configs"]],
             ),
+            "", f"### Where the stages' time goes (M={pipe['target_microbatches']})", "",
+            "Shares of wall x S; `other`: dispatch, send calls and Python between ops (and, for "
+            "transports other than p2p, waiting, which only p2p measures apart).",
+            "",
+            markdown_table(
+                ["schedule", "transport", "compute", "optimizer", "receive wait", "other", "bubble",
+                 "bubble theory"],
+                [[r["schedule"], r["transport"], *_time_shares(r),
+                  fmt(r["bubble_fraction"], ".3f"),
+                  f"{r['bubble_theory']:.3f}" if r["bubble_theory"] is not None else "-"]
+                 for r in pipe["configs"]
+                 if r["num_microbatches"] == pipe["target_microbatches"] and not r["same_ops_as"]],
+            ),
             "", "### Transfer cost per micro-batch (sequential schedule: nothing overlaps)", "",
-            "µs per transfer = (step time - stage compute time) / (2 (S-1) M); an upper bound, since "
-            "the uncovered time also holds the optimizer steps and the driver's dispatch. "
+            "µs per transfer = (step time - stage compute and optimizer time) / (2 (S-1) M); an upper "
+            "bound, since the uncovered time also holds the driver's dispatch. "
             "Bytes = micro-batch rows x width x 4.",
             "",
             markdown_table(
-                ["M", "micro-batch rows", "bytes per transfer", "transport", "step ms", "compute ms",
+                ["M", "micro-batch rows", "bytes per transfer", "transport", "step ms", "compute + optimizer ms",
                  "µs per transfer"],
                 [[r["num_microbatches"], work["batch_size"] // r["num_microbatches"], f"{r['bytes_per_transfer']:,}",
                   r["transport"], fmt(_figure(r, "step_s"), ".1f", 1e3), fmt(_figure(r, "busy_s"), ".1f", 1e3),
@@ -825,11 +876,20 @@ def render(results: dict[str, Any]) -> str:
         ]
         if pipe["transports"]:
             parts += [
-                "", "### Compiled graph vs plain actor calls", "",
+                "", "### Transports", "",
+                f"`{PIPELINE_TRANSPORT}` (the default): torch.distributed send/recv between the stage actors, one "
+                "actor call per stage per batch; `compiled`: a Ray Compiled Graph, one node per op; "
+                "`actor_calls`: one Ray actor call per op, activations as object references.",
+                "",
                 markdown_table(
-                    ["schedule", "M", "compiled samples/s", "actor calls samples/s", "compiled / actor calls"],
-                    [[t["schedule"], t["num_microbatches"], fmt(t["compiled"]), fmt(t["actor_calls"]),
-                      fmt(t["compiled_over_actor_calls"], ".2f")] for t in pipe["transports"]],
+                    ["schedule", "M", *[f"{t} samples/s" for t in (PIPELINE_TRANSPORT, *OTHER_TRANSPORTS)],
+                     *[f"{PIPELINE_TRANSPORT} / {t}" for t in OTHER_TRANSPORTS],
+                     *[f"{t} bubble" for t in (PIPELINE_TRANSPORT, *OTHER_TRANSPORTS)]],
+                    [[t["schedule"], t["num_microbatches"],
+                      *[fmt(t[k]["samples_per_second"]) for k in (PIPELINE_TRANSPORT, *OTHER_TRANSPORTS)],
+                      *[fmt(t[f"{PIPELINE_TRANSPORT}_over_{k}"], ".2f") for k in OTHER_TRANSPORTS],
+                      *[fmt(t[k]["bubble_fraction"], ".3f") for k in (PIPELINE_TRANSPORT, *OTHER_TRANSPORTS)]]
+                     for t in pipe["transports"]],
                 ),
             ]
     parts += dp_section
@@ -865,6 +925,12 @@ def render(results: dict[str, Any]) -> str:
         f"Plots: {', '.join(results['plots'])}." if isinstance(results["plots"], list) else f"{results['plots']}.",
     ]
     return "\n".join(parts) + "\n"
+
+
+def _time_shares(row: dict) -> list[str]:
+    shares = row["time_fractions"]
+    known = [shares[k]["median"] for k in ("compute", "optimizer", "receive_wait")]
+    return [*(f"{v:.3f}" for v in known), f"{1.0 - sum(known):.3f}"]
 
 
 def _figure(row: dict, key: str) -> dict | None:
@@ -924,10 +990,10 @@ def write_plots(results: dict[str, Any], out: str) -> list[str] | str:
 
     pipe = results.get("pipeline")
     if pipe:
-        compiled = [r for r in pipe["configs"] if r["transport_requested"] == "compiled"]
+        swept = [r for r in pipe["configs"] if r["transport_requested"] == PIPELINE_TRANSPORT]
         figure, axes = plt.subplots(1, 2, figsize=(10, 4))
         for schedule in ("gpipe", "1f1b", "sequential"):
-            rows = [r for r in compiled if r["schedule"] == schedule]
+            rows = [r for r in swept if r["schedule"] == schedule]
             ms = [r["num_microbatches"] for r in rows]
             figures = [r["samples_per_second"] for r in rows]
             axes[0].errorbar(ms, [f["median"] for f in figures], yerr=errors(figures), marker="o", capsize=3,
@@ -938,7 +1004,7 @@ def write_plots(results: dict[str, Any], out: str) -> list[str] | str:
                                  label=f"{schedule} measured")
         axes[0].axhline(pipe["single_process"]["samples_per_second"]["median"], ls="--", color="grey",
                         label="single process")
-        ms = sorted({r["num_microbatches"] for r in compiled})
+        ms = sorted({r["num_microbatches"] for r in swept})
         axes[1].plot(ms, [gpipe_bubble(pipe["num_stages"], m) for m in ms], "k--", label="GPipe theory")
         for axis in axes:
             axis.set_xscale("log", base=2)

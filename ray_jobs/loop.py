@@ -76,7 +76,7 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
     first_epoch = start.epochs_completed if start else 0
     report = {"worker_nodes": nodes, "worker_node_ranks": node_ranks,
               "resumed_from_epoch": first_epoch if start else None}
-    num_samples, train_seconds = 0, 0.0
+    num_samples, epoch_seconds = 0, []
     for epoch in range(first_epoch, cfg.epochs):
         began = time.perf_counter()
         step_losses = worker.run_epoch(epoch, crash=loop.crash_at_epoch == epoch and start is None)
@@ -87,10 +87,10 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
                 record_failure(loop.run_dir, failure)
             return
         losses.append(sum(step_losses) / len(step_losses))
-        train_seconds += time.perf_counter() - began
+        epoch_seconds.append(time.perf_counter() - began)
         num_samples += len(step_losses) * cfg.batch_size
-        report.update(epoch=epoch, loss=losses[-1], epochs_completed=epoch + 1,
-                      samples_per_second=num_samples / train_seconds)
+        report.update(epoch=epoch, loss=losses[-1], epochs_completed=epoch + 1, epoch_seconds=list(epoch_seconds),
+                      samples_per_second=num_samples / sum(epoch_seconds))
         if worker.world_rank == 0:
             print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {losses[-1]:.6f}", flush=True)
         save = ((epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs) and worker.world_rank == 0

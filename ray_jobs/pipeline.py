@@ -201,9 +201,8 @@ class Pipeline:
         weights = {k: v for stage_weights, _ in parts for k, v in stage_weights.items()}
         return weights, merge_named_optimizer_states([optimizer for _, optimizer in parts])
 
-    def take_timing(self) -> tuple[float, int]:
-        timings = ray.get([actor.take_timing.remote() for actor in self.actors])
-        return sum(busy for busy, _ in timings), max(peak for _, peak in timings)
+    def take_timing(self) -> list[dict[str, float]]:
+        return ray.get([actor.take_timing.remote() for actor in self.actors])
 
     def restore(self, state: TrainState) -> None:
         ray.get([actor.restore.remote(state) for actor in self.actors])
@@ -283,9 +282,18 @@ class Attempt:
     state: TrainState
     resumed_from_epoch: int | None
     samples: int = 0
-    seconds: float = 0.0
-    busy_seconds: float = 0.0
+    epoch_seconds: list[float] = field(default_factory=list)
+    epoch_timing: list[dict[str, float]] = field(default_factory=list)  # per epoch, summed over stages
     peak_alive: int = 0
+
+    def add_epoch(self, seconds: float, timings: list[dict[str, float]]) -> None:
+        summed: dict[str, float] = {}
+        for timing in timings:
+            self.peak_alive = max(self.peak_alive, timing.pop("peak_live_microbatches"))
+            for key, value in timing.items():
+                summed[key] = summed.get(key, 0.0) + value
+        self.epoch_seconds.append(seconds)
+        self.epoch_timing.append(summed)
 
 
 def _train_epochs(pipeline: Pipeline, prepared: PreparedRun, attempt: Attempt, crash_at_epoch: int | None) -> None:
@@ -300,10 +308,8 @@ def _train_epochs(pipeline: Pipeline, prepared: PreparedRun, attempt: Attempt, c
         if failure:
             record_failure(prepared.run_dir, failure)
             raise TrainingFailed(failure)
-        attempt.seconds += time.perf_counter() - began
         attempt.samples += len(batches) * cfg.batch_size
-        busy, peak = pipeline.take_timing()
-        attempt.busy_seconds, attempt.peak_alive = attempt.busy_seconds + busy, max(attempt.peak_alive, peak)
+        attempt.add_epoch(time.perf_counter() - began, pipeline.take_timing())
         state.losses.append(sum(losses) / len(batches))
         state.epochs_completed = epoch + 1
         print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {state.losses[-1]:.6f}", flush=True)
@@ -347,21 +353,45 @@ def run(prepared: PreparedRun, scaling: PipelineScaling, crash_at_epoch: int | N
 
 
 def _finish(prepared: PreparedRun, scaling: PipelineScaling, pipeline: Pipeline, attempt: Attempt) -> TrainSummary:
-    wall = attempt.seconds * scaling.num_stages
+    seconds = sum(attempt.epoch_seconds)
+    total = {key: sum(epoch.get(key, 0.0) for epoch in attempt.epoch_timing) for key in STAGE_TIME_KEYS}
     extra = {
         "stage_nodes": pipeline.nodes,
         "transport": pipeline.transport,
         "schedule": scaling.schedule,
         "num_stages": scaling.num_stages,
         "num_microbatches": scaling.num_microbatches,
-        "bubble_fraction": 1.0 - attempt.busy_seconds / wall if wall else None,
+        "bubble_fraction": bubble_fraction(total, seconds, scaling.num_stages),
+        "stage_time_fractions": _fractions(total, seconds * scaling.num_stages),
         "peak_live_microbatches": attempt.peak_alive,
+        "epoch_seconds": attempt.epoch_seconds,
+        "epoch_stage_time_fractions": [
+            {**_fractions(timing, epoch_seconds * scaling.num_stages),
+             "bubble": bubble_fraction(timing, epoch_seconds, scaling.num_stages)}
+            for timing, epoch_seconds in zip(attempt.epoch_timing, attempt.epoch_seconds)
+        ],
     }
     metrics = {
-        "samples_per_second": attempt.samples / attempt.seconds if attempt.seconds else None,
+        "samples_per_second": attempt.samples / seconds if seconds else None,
         "resumed_from_epoch": attempt.resumed_from_epoch,
     }
     return finish(prepared, attempt.state, metrics, scaling.num_stages, {"scaling": asdict(scaling)}, extra)
+
+
+STAGE_TIME_KEYS = ("compute_s", "optimizer_s", "receive_wait_s")
+
+
+def bubble_fraction(timing: dict[str, float], seconds: float, num_stages: int) -> float | None:
+    """Share of the stages' time (wall x S) that is neither forward/backward compute nor the
+    optimizer step. The optimizer runs once per batch in every schedule, outside the fill and
+    drain that the GPipe theory counts; waiting, transfers and dispatch are bubble."""
+    if not seconds:
+        return None
+    return 1.0 - (timing.get("compute_s", 0.0) + timing.get("optimizer_s", 0.0)) / (seconds * num_stages)
+
+
+def _fractions(timing: dict[str, float], stage_seconds: float) -> dict[str, float] | None:
+    return {key.removesuffix("_s"): value / stage_seconds for key, value in timing.items()} if stage_seconds else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ import datetime
 import os
 import socket
 import time
+from collections import deque
 from typing import Any
 
 import ray
@@ -22,6 +23,9 @@ from ray_jobs.config import TrainConfig
 from ray_jobs.data import Dataset
 from ray_jobs.schedules import FORWARD, SCHEDULES
 from ray_jobs.training import build_optimizer, loss_function
+
+# Receives posted ahead of need (p2p transport); more only holds more buffers.
+RECEIVES_AHEAD = 2
 
 
 class StageWorker:
@@ -59,8 +63,7 @@ class StageWorker:
         self.targets = targets if self.is_last else None
         self.alive: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.loss_sum = torch.zeros(())
-        self.busy_seconds = 0.0
-        self.peak_alive = 0
+        self.timing = _new_timing()
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -78,8 +81,8 @@ class StageWorker:
             # Divide by num_microbatches so the accumulated gradient is the global-batch mean.
             out = loss / self.num_microbatches
         self.alive[microbatch] = (x, out)
-        self.peak_alive = max(self.peak_alive, len(self.alive))
-        self.busy_seconds += time.perf_counter() - began
+        self.timing["peak_live_microbatches"] = max(self.timing["peak_live_microbatches"], len(self.alive))
+        self.timing["compute_s"] += time.perf_counter() - began
         return None if self.is_last else self._send(out.detach())
 
     def backward(self, microbatch: int, grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -91,7 +94,7 @@ class StageWorker:
             out.backward()
         else:
             out.backward(grad.to(self.device))
-        self.busy_seconds += time.perf_counter() - began
+        self.timing["compute_s"] += time.perf_counter() - began
         return None if self.is_first else self._send(x.grad.detach())
 
     def _send(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -101,8 +104,10 @@ class StageWorker:
         """Apply the accumulated gradient; returns this batch's mean loss (last stage) or 0."""
         if self.alive:
             raise RuntimeError(f"step with micro-batches {sorted(self.alive)} still waiting for backward")
+        began = time.perf_counter()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.timing["optimizer_s"] += time.perf_counter() - began
         loss, self.loss_sum = self.loss_sum.item() / self.num_microbatches, torch.zeros(())
         return loss
 
@@ -128,40 +133,59 @@ class StageWorker:
     def run_batch(self, rows: list[torch.Tensor]) -> float:
         """One global batch: this stage's ops in schedule order, then the optimizer step.
 
-        Receives block (they are the schedule's dependencies); sends are asynchronous and
-        waited on only at the end, so no two stages can block sending to each other.
+        Sends are asynchronous and waited on only at the end, so no two stages can block
+        sending to each other. Receives are posted ``RECEIVES_AHEAD`` ops early: gloo moves a
+        message only once its receive is posted, so a receive posted at the moment of need
+        pays a round trip through both peers' I/O threads (which compete with compute for the
+        CPU) on the pipeline's critical path.
         """
         sends = []  # (work, tensor): the tensor must outlive its asynchronous send
+        receives = deque(op for op in self.ops if self._needs_input(op))
+        posted: deque = deque()
         try:
             for op in self.ops:
                 m, forward = op.microbatch, op.kind == FORWARD
-                source, destination = (-1, 1) if forward else (1, -1)
-                needs_input = not (self.is_first if forward else self.is_last)
-                received = self._receive(self.stage_index + source, op, len(rows[m])) if needs_input else None
+                received = None
+                if self._needs_input(op):
+                    while receives and len(posted) < RECEIVES_AHEAD:
+                        posted.append(self._post_receive(receives.popleft(), rows))
+                    received = self._wait_receive(op, *posted.popleft())
                 out = self.forward(m, received, rows[m]) if forward else self.backward(m, received)
                 if out is not None:
-                    tag = _tag(op, self.num_microbatches)
-                    sends.append((dist.isend(out, self.stage_index + destination, tag=tag), out))
+                    peer = self.stage_index + (1 if forward else -1)
+                    sends.append((dist.isend(out, peer, tag=_tag(op, self.num_microbatches)), out))
             for work, _ in sends:
                 work.wait()
         except dist.DistError as error:
             raise PeerLost(f"stage {self.stage_index}: {error}") from None
         return self.step()
 
-    def _receive(self, peer: int, op, num_rows: int) -> torch.Tensor:
-        cut = min(peer, self.stage_index)  # the boundary between stage `cut` and `cut + 1`
-        shape, dtype = self.boundary_shapes[cut]
-        buffer = torch.empty((num_rows, *shape), dtype=dtype, device=self._transport_device)
-        dist.recv(buffer, peer, tag=_tag(op, self.num_microbatches))
+    def _needs_input(self, op) -> bool:
+        return not self.is_first if op.kind == FORWARD else not self.is_last
+
+    def _post_receive(self, op, rows: list[torch.Tensor]):
+        peer = self.stage_index + (-1 if op.kind == FORWARD else 1)
+        shape, dtype = self.boundary_shapes[min(peer, self.stage_index)]  # the cut between the two
+        buffer = torch.empty((len(rows[op.microbatch]), *shape), dtype=dtype, device=self._transport_device)
+        return op, dist.irecv(buffer, peer, tag=_tag(op, self.num_microbatches)), buffer
+
+    def _wait_receive(self, op, posted_op, work, buffer: torch.Tensor) -> torch.Tensor:
+        if posted_op != op:
+            raise RuntimeError(f"stage {self.stage_index}: receive for {posted_op} posted, {op} needed")
+        began = time.perf_counter()
+        work.wait()
+        self.timing["receive_wait_s"] += time.perf_counter() - began
         return buffer
 
     @property
     def _transport_device(self) -> torch.device:
         return self.device if self.device_transport else torch.device("cpu")
 
-    def take_timing(self) -> tuple[float, int]:
-        busy, peak, self.busy_seconds, self.peak_alive = self.busy_seconds, self.peak_alive, 0.0, 0
-        return busy, peak
+    def take_timing(self) -> dict[str, float]:
+        """Seconds in forward/backward compute, in the optimizer, blocked on p2p receives, and the
+        most micro-batches alive at once, since the last call."""
+        timing, self.timing = self.timing, _new_timing()
+        return timing
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
         weights = {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
@@ -175,6 +199,10 @@ class StageWorker:
     def crash(self) -> None:
         """Fault injection for tests: the actor's process dies as if killed."""
         os._exit(1)
+
+
+def _new_timing() -> dict[str, float]:
+    return {"compute_s": 0.0, "optimizer_s": 0.0, "receive_wait_s": 0.0, "peak_live_microbatches": 0}
 
 
 class PeerLost(RuntimeError):
