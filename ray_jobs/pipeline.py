@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 import ray
 from ray.dag import InputNode, MultiOutputNode
 from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayChannelTimeoutError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from models import build_model, split_into_stages
@@ -57,9 +57,10 @@ class PipelineScaling:
     )
     transport: str = field(
         default="auto",
-        metadata=flag_doc("p2p: torch.distributed send/recv between the stages (gloo on CPU, nccl on GPU), "
-                      "one actor call per stage per batch; compiled: a Ray Compiled Graph (nccl between GPUs); "
-                      "actor_calls: one actor call per micro-batch op; auto: p2p", choices=TRANSPORTS),
+        metadata=flag_doc("p2p: torch.distributed (gloo) send/recv between the stages, one actor call per "
+                      "stage per batch, tensors through host memory; compiled: a Ray Compiled Graph (nccl "
+                      "between GPUs); actor_calls: one actor call per op; auto: compiled for GPU stages on "
+                      "one node, else p2p", choices=TRANSPORTS),
     )
 
     batch_timeout_s: float = field(
@@ -98,26 +99,27 @@ class Pipeline:
             remove_placement_group(self.group)
             raise TrainingFailed(f"the {scaling.num_stages} stage bundles {scaling.bundles[0]} were not placed "
                                  f"within {PLACEMENT_TIMEOUT_S:.0f} s ({scaling.placement_strategy})")
+        self.requested = resolve_transport(scaling, _bundle_nodes(self.group))
         dataset, initial = ray.put(prepared.dataset), ray.put(prepared.initial_state)
         self.actors = [self._start(index, prepared, dataset, initial) for index in range(scaling.num_stages)]
         self.nodes = ray.get([actor.node_id.remote() for actor in self.actors])
         self.order = execution_order(SCHEDULES[scaling.schedule](scaling.num_stages, scaling.num_microbatches))
-        self.transport, self.compiled = self._connect(scaling)
+        self.transport, self.compiled = self._connect()
         self.batch_seconds = 0.0  # running estimate of one batch's duration
 
     @property
     def device_transport(self) -> bool:
-        return self.scaling.use_gpu and self.scaling.transport != "actor_calls"
+        return self.scaling.use_gpu and self.requested == "compiled"
 
-    def _connect(self, scaling: PipelineScaling):
+    def _connect(self):
         """Set up the transport; returns its name and the compiled graph, if any."""
-        if scaling.transport == "actor_calls":
+        if self.requested == "actor_calls":
             return "actor_calls", None
-        if scaling.transport in ("auto", "p2p"):
+        if self.requested == "p2p":
             address = ray.get(self.actors[0].rendezvous_address.remote())
-            ray.get([actor.join_group.remote(address, scaling.schedule, scaling.batch_timeout_s)
+            ray.get([actor.join_group.remote(address, self.scaling.schedule, self.scaling.batch_timeout_s)
                      for actor in self.actors])
-            return ("p2p_nccl" if scaling.use_gpu else "p2p_gloo"), None
+            return "p2p_gloo", None
         if len(set(self.nodes)) > 1:
             # Measured on Ray 2.60 (local multi-node cluster): compiled-graph channels between
             # nodes never delivered and the run hung.
@@ -164,7 +166,7 @@ class Pipeline:
         rows = [shard(batch, self.scaling.num_microbatches, m) for m in range(self.scaling.num_microbatches)]
         if self.compiled is not None:
             return self.compiled.execute(*rows)
-        if self.transport.startswith("p2p"):
+        if self.transport == "p2p_gloo":
             return [actor.run_batch.remote(rows) for actor in self.actors]
         outputs = {}
         for stage, op in self.order:
@@ -224,6 +226,20 @@ class Pipeline:
         for actor in self.actors:
             ray.kill(actor)
         remove_placement_group(self.group)
+
+
+def resolve_transport(scaling: PipelineScaling, nodes: list[str]) -> str:
+    """``auto``: GPU stages on one node talk over nccl through a compiled graph (GPU to GPU);
+    everything else uses p2p. p2p stays on gloo even between GPUs: nccl matches sends and
+    receives by order, not tag, and a stage's interleaved sends and early-posted receives
+    could then wait on each other; through host memory they cannot."""
+    if scaling.transport != "auto":
+        return scaling.transport
+    return "compiled" if scaling.use_gpu and len(set(nodes)) == 1 else "p2p"
+
+
+def _bundle_nodes(group) -> list[str]:
+    return list(placement_group_table(group)["bundles_to_node_id"].values())
 
 
 def _get_failing_fast(refs: list, timeout_s: float) -> list:

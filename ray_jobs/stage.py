@@ -123,10 +123,9 @@ class StageWorker:
             return f"tcp://{ip}:{probe.getsockname()[1]}"
 
     def join_group(self, address: str, schedule: str, timeout_s: float) -> None:
-        """Join the stages' process group (gloo on CPU, nccl on GPU); ``timeout_s`` bounds every
-        receive, so a stage whose peer died fails instead of waiting for ever."""
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=address, rank=self.stage_index, world_size=self.num_stages,
+        """Join the stages' gloo process group; ``timeout_s`` bounds every receive, so a stage
+        whose peer died fails instead of waiting for ever."""
+        dist.init_process_group("gloo", init_method=address, rank=self.stage_index, world_size=self.num_stages,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self.ops = SCHEDULES[schedule](self.num_stages, self.num_microbatches)[self.stage_index]
 
@@ -166,7 +165,7 @@ class StageWorker:
     def _post_receive(self, op, rows: list[torch.Tensor]):
         peer = self.stage_index + (-1 if op.kind == FORWARD else 1)
         shape, dtype = self.boundary_shapes[min(peer, self.stage_index)]  # the cut between the two
-        buffer = torch.empty((len(rows[op.microbatch]), *shape), dtype=dtype, device=self._transport_device)
+        buffer = torch.empty((len(rows[op.microbatch]), *shape), dtype=dtype)  # gloo: host memory
         return op, dist.irecv(buffer, peer, tag=_tag(op, self.num_microbatches)), buffer
 
     def _wait_receive(self, op, posted_op, work, buffer: torch.Tensor) -> torch.Tensor:
@@ -176,10 +175,6 @@ class StageWorker:
         work.wait()
         self.timing["receive_wait_s"] += time.perf_counter() - began
         return buffer
-
-    @property
-    def _transport_device(self) -> torch.device:
-        return self.device if self.device_transport else torch.device("cpu")
 
     def take_timing(self) -> dict[str, float]:
         """Seconds in forward/backward compute, in the optimizer, blocked on p2p receives, and the

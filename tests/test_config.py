@@ -99,3 +99,21 @@ def test_optimizer_state_round_trips_by_parameter_name():
     restored = stage_optimizer.state_dict()
     assert restored["param_groups"][0]["momentum"] == 0.9 and restored["param_groups"][0]["lr"] == 0.1
     torch.testing.assert_close(restored["state"][0]["momentum_buffer"], named["state"]["1.weight"]["momentum_buffer"])
+
+
+@pytest.mark.parametrize(
+    ("transport", "use_gpu", "nodes", "expected"),
+    [
+        ("auto", False, ["a"], "p2p"),
+        ("auto", False, ["a", "b"], "p2p"),
+        # GPU stages on one node: GPU-to-GPU nccl channels; across nodes p2p, the path tested there.
+        ("auto", True, ["a", "a"], "compiled"),
+        ("auto", True, ["a", "b"], "p2p"),
+        ("actor_calls", True, ["a", "a"], "actor_calls"),
+        ("compiled", False, ["a", "b"], "compiled"),
+    ],
+)
+def test_auto_transport_choice(transport, use_gpu, nodes, expected):
+    from ray_jobs.pipeline import PipelineScaling, resolve_transport
+
+    assert resolve_transport(PipelineScaling(transport=transport, use_gpu=use_gpu), nodes) == expected
