@@ -3,8 +3,10 @@
 Measures raypar's strategies against plain PyTorch peers on the same model, data, global batch
 and steps, and writes ``bench.json`` (every repetition), ``bench.md`` (the tables) and, when
 matplotlib is installed, PNG plots into ``--out``. Every figure is the median of several
-repetitions after a warm-up, with min and max; every comparison is a ratio of figures measured
-in the same bench run, with the repetitions of both sides interleaved.
+repetitions after a warm-up, with min and max: a throughput's repetitions are the epochs after
+the first of each run (the first pays one-time costs), a start-up cost's are the runs. Every
+comparison is a ratio of figures measured in the same bench run, the runs of both sides
+interleaved.
 
 Cases: DDP overhead (raypar vs torch.multiprocessing + gloo), DDP scaling, the actor pipeline
 (schedules, micro-batches, transports, bubble, transfer cost), DataParallel vs DDP, data ingest.
@@ -554,8 +556,12 @@ class Bench:
         run_dp = ddp_workers <= self.largest_node_cpus()
         raw: dict[str, list[dict]] = {f"ddp{n}": [] for n in counts}
         raw.update({f"torch{ddp_workers}": [], f"dp{ddp_workers}": []})
-        self.log("[bench] warm-up (discarded): one 1-epoch DDP fit, one plain-torch DDP run")
-        self.raypar_data_parallel("ddp", ddp_workers, epochs=1)
+        if counts[0] == ddp_workers:
+            # Otherwise a smaller fit runs first and pays the cluster's one-time costs (imports,
+            # worker processes); only its steady epochs are reported, which exclude the first.
+            self.log("[bench] warm-up (discarded): one 1-epoch DDP fit")
+            self.raypar_data_parallel("ddp", ddp_workers, epochs=1)
+        self.log("[bench] warm-up (discarded): one plain-torch DDP run")
         self.peer(work, self.ddp_data, ddp_workers, 1)
         for rep in range(max(suite.fit_repetitions, suite.overhead_repetitions)):
             for n in counts:
@@ -768,8 +774,8 @@ def render(results: dict[str, Any]) -> str:
         f"{machine['cpu_count']} CPUs, torch {machine['torch']}, ray {machine['ray']}, python {machine['python']}, "
         f"{machine['platform']}; {results['seconds']:.0f} s; load average (1/5/15 min) "
         f"{machine.get('load_average_at_start')} at start, {machine.get('load_average_at_end')} at end. "
-        "Figures: median (min–max) of the repetitions after a warm-up; ratios: ratio of medians "
-        "(least–most favourable pairing).",
+        "Figures: median (min–max) of the repetitions after a warm-up (throughput: every epoch after each "
+        "run's first; start-up: the runs); ratios: ratio of medians (least–most favourable pairing).",
     ]
     data_parallel = results.get("data_parallel")
     dp_section: list[str] = []  # printed after the pipeline, in the order

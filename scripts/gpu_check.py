@@ -58,16 +58,18 @@ def main() -> int:
                       storage_path=str(work), lr=0.05)
     expected = reference(cfg)
     stages = min(num_gpus, 2)
+    def pipe(transport: str):
+        scaling = pipeline.PipelineScaling(num_stages=stages, num_microbatches=4, use_gpu=True, transport=transport)
+        return lambda c: pipeline.run(prepare(c, "pipeline"), scaling)
+
     runs = [
-        ("ddp (nccl)", lambda c: ddp.run(prepare(c, "ddp"), WorkerScaling(num_workers=num_gpus, use_gpu=True))),
-        ("dp (all GPUs)", lambda c: dp.run(prepare(c, "dp"), dp.DataParallelScaling(gpus=num_gpus))),
-        (f"pipeline S={stages} (compiled, nccl)", lambda c: pipeline.run(
-            prepare(c, "pipeline"), pipeline.PipelineScaling(num_stages=stages, num_microbatches=4, use_gpu=True,
-                                                             transport="compiled"))),
+        ("ddp", "ddp (nccl)", lambda c: ddp.run(prepare(c, "ddp"), WorkerScaling(num_workers=num_gpus, use_gpu=True))),
+        ("dp", "dp (all GPUs)", lambda c: dp.run(prepare(c, "dp"), dp.DataParallelScaling(gpus=num_gpus))),
+        ("pipe-compiled", f"pipeline S={stages} (compiled, nccl)", pipe("compiled")),
+        ("pipe-p2p", f"pipeline S={stages} (p2p, gloo)", pipe("p2p")),
     ]
     rows, failed = [], False
-    for label, run in runs:
-        name = label.split()[0]
+    for name, label, run in runs:
         try:
             summary = run(TrainConfig(**{**vars(cfg), "name": name}))
             verdict = matches(summary.run_dir, expected)

@@ -14,6 +14,8 @@ from ray_jobs.bench import (
     render,
     same_ops_as,
     stats,
+    steady,
+    summarise,
     target,
     targets,
     torch_ddp,
@@ -37,6 +39,19 @@ def test_stats_median_min_max():
 def test_ratio_takes_medians_and_extreme_pairings():
     got = ratio(stats([90, 100, 110]), stats([40, 50, 55]))
     assert got == pytest.approx({"median": 2.0, "min": 90 / 55, "max": 110 / 40})
+
+
+def test_steady_throughput_drops_each_runs_first_epoch():
+    assert steady([9.0, 2.0, 4.0], 100) == [50.0, 25.0]  # the 9 s first epoch is warm-up
+    assert steady([4.0], 100) == [25.0]  # a single epoch is all there is
+
+
+def test_summarise_pools_every_timed_epoch_of_every_run():
+    runs = [{"samples_per_second": [1.0, 5.0], "wall_s": 10.0, "transport": "p2p_gloo"},
+            {"samples_per_second": [3.0], "wall_s": 12.0, "transport": "p2p_gloo"}]
+    figures = summarise(runs, text=("transport",))
+    assert figures["samples_per_second"] == stats([1.0, 5.0, 3.0])
+    assert figures["wall_s"]["median"] == 11.0 and figures["transport"] == "p2p_gloo"
 
 
 def test_gpipe_bubble_theory():
