@@ -300,6 +300,7 @@ class Attempt:
     samples: int = 0
     epoch_seconds: list[float] = field(default_factory=list)
     epoch_timing: list[dict[str, float]] = field(default_factory=list)  # per epoch, summed over stages
+    epoch_stage_compute: list[list[float]] = field(default_factory=list)  # per epoch, per stage
     peak_alive: int = 0
 
     def add_epoch(self, seconds: float, timings: list[dict[str, float]]) -> None:
@@ -310,6 +311,7 @@ class Attempt:
                 summed[key] = summed.get(key, 0.0) + value
         self.epoch_seconds.append(seconds)
         self.epoch_timing.append(summed)
+        self.epoch_stage_compute.append([timing["compute_s"] for timing in timings])
 
 
 def _train_epochs(pipeline: Pipeline, prepared: PreparedRun, attempt: Attempt, crash_at_epoch: int | None) -> None:
@@ -383,8 +385,10 @@ def _finish(prepared: PreparedRun, scaling: PipelineScaling, pipeline: Pipeline,
         "epoch_seconds": attempt.epoch_seconds,
         "epoch_stage_time_fractions": [
             {**_fractions(timing, epoch_seconds * scaling.num_stages),
-             "bubble": bubble_fraction(timing, epoch_seconds, scaling.num_stages)}
-            for timing, epoch_seconds in zip(attempt.epoch_timing, attempt.epoch_seconds)
+             "bubble": bubble_fraction(timing, epoch_seconds, scaling.num_stages),
+             "compute_by_stage": [compute / epoch_seconds for compute in by_stage]}
+            for timing, by_stage, epoch_seconds in zip(attempt.epoch_timing, attempt.epoch_stage_compute,
+                                                       attempt.epoch_seconds)
         ],
     }
     metrics = {
