@@ -98,6 +98,11 @@ class Suite:
     cheap_repetitions: int
     """Repetitions of the plain-torch peers and of ingest (seconds each)."""
     pipeline_repetitions: int
+    """Runs of each pipeline configuration."""
+    pipeline_target_repetitions: int
+    """Runs of the configurations the targets judge (M = ``target_microbatches``): with both
+    cores computing, Ray's own processes preempt a stage now and then, so runs differ more than
+    the epochs within one run."""
     """Repetitions of each pipeline configuration."""
     ddp_workers: int
     """Workers of the DDP-overhead and DataParallel-vs-DDP cases (capped by the cluster's CPUs)."""
@@ -127,6 +132,7 @@ SUITES: dict[str, Suite] = {
         overhead_repetitions=2,
         cheap_repetitions=3,
         pipeline_repetitions=1,
+        pipeline_target_repetitions=3,
         ddp_workers=2,
         max_workers=2,
         num_stages=2,
@@ -145,6 +151,7 @@ SUITES: dict[str, Suite] = {
         overhead_repetitions=5,
         cheap_repetitions=5,
         pipeline_repetitions=5,
+        pipeline_target_repetitions=5,
         ddp_workers=4,
         max_workers=64,
         num_stages=2,
@@ -163,6 +170,7 @@ SUITES: dict[str, Suite] = {
         overhead_repetitions=1,
         cheap_repetitions=1,
         pipeline_repetitions=1,
+        pipeline_target_repetitions=1,
         ddp_workers=2,
         max_workers=2,
         num_stages=2,
@@ -630,12 +638,15 @@ class Bench:
         self.log("[bench] warm-up (discarded): one pipeline run, one single-process run")
         self.pipeline("gpipe", suite.target_microbatches, PIPELINE_TRANSPORT)
         self.peer(work, self.pipeline_data, 1, THREADS_PER_STAGE)
-        for rep in range(suite.pipeline_repetitions):
+        for rep in range(max(suite.pipeline_repetitions, suite.pipeline_target_repetitions)):
             if rep < suite.cheap_repetitions:
                 self._measure(single, "single process, whole model", rep,
                               lambda: self.peer(work, self.pipeline_data, 1, THREADS_PER_STAGE))
             for config in configs:
                 schedule, m, transport = config
+                judged = m == suite.target_microbatches and transport == PIPELINE_TRANSPORT
+                if rep >= (suite.pipeline_target_repetitions if judged else suite.pipeline_repetitions):
+                    continue
                 self._measure(raw[config], f"pipeline S={suite.num_stages} M={m} {schedule} {transport}", rep,
                               lambda config=config: self.pipeline(*config))
         single_figures = summarise(single)

@@ -2,8 +2,10 @@
 
 The model is cut into S stages (``models.split_into_stages``), each a Ray actor with its own
 GPU (or CPUs), placed with one placement-group bundle per stage. Each global batch is cut into
-M micro-batches; activations flow forward and gradients back between the actors as object
-references (never fetched by the driver), in the order a schedule (GPipe or 1F1B) gives.
+M micro-batches; activations flow forward and gradients back between the actors, never through
+the driver, in the order a schedule (GPipe or 1F1B) gives: over torch.distributed send/recv
+(``p2p``: one actor call per stage per batch), a Ray Compiled Graph (``compiled``: nccl
+channels between GPUs), or one actor call per op with object references (``actor_calls``).
 """
 from __future__ import annotations
 
