@@ -118,9 +118,7 @@ class Pipeline:
         if self.requested == "actor_calls":
             return "actor_calls", None
         if self.requested == "p2p":
-            address = ray.get(self.actors[0].rendezvous_address.remote())
-            ray.get([actor.join_group.remote(address, self.scaling.schedule, self.scaling.batch_timeout_s)
-                     for actor in self.actors])
+            self._join_group()
             return "p2p_gloo", None
         if len(set(self.nodes)) > 1:
             # Measured on Ray 2.60 (local multi-node cluster): compiled-graph channels between
@@ -132,6 +130,17 @@ class Pipeline:
             return ("compiled_graph_nccl" if self.device_transport else "compiled_graph"), graph.experimental_compile()
         except Exception as error:  # Ray raises several types for graphs it cannot compile
             raise TrainingFailed(f"--transport compiled: the compiled graph failed to build: {error}") from error
+
+    def _join_group(self) -> None:
+        address = ray.get(self.actors[0].rendezvous_address.remote())
+        timeout = self.scaling.batch_timeout_s
+        joins = [actor.join_group.remote(address, self.scaling.schedule, timeout) for actor in self.actors]
+        try:
+            # Failing fast: a stage that cannot join must not leave the others waiting out the timeout.
+            _get_failing_fast(joins, timeout)
+        except GetTimeoutError:
+            raise TrainingFailed(f"the stages' gloo group at {address} did not form within "
+                                 f"--batch-timeout-s {timeout:g} (stages on nodes {self.nodes})") from None
 
     def _start(self, index: int, prepared: PreparedRun, dataset, initial):
         options = dict(
