@@ -37,6 +37,7 @@ from ray_jobs.training import epoch_order, global_batches, non_finite_loss, shar
 
 EPOCH_PREFIX = "checkpoint_epoch_"
 PLACEMENT_TIMEOUT_S = 120.0
+PROBE_TIMEOUT_S = 10.0  # how long a failed pipeline waits for its stages to answer "are you alive"
 # Global batches in flight at once; more only holds more activations, the overlap is the same.
 MAX_INFLIGHT_BATCHES = 2
 TRANSPORTS = ("auto", "p2p", "compiled", "actor_calls")
@@ -221,13 +222,26 @@ class Pipeline:
         ray.get([actor.restore.remote(state) for actor in self.actors])
 
     def describe_failure(self, error: Exception) -> str:
-        """Name the dead stage by probing each actor: the error alone does not say which."""
-        for index, actor in enumerate(self.actors):
+        """Name the dead stage by probing every actor at once: the error alone does not say
+        which. A dead actor's probe fails at once; a live one may be blocked (in a receive from
+        the dead stage, or behind its queued batches) and answer late or never, so silence
+        alone does not make a stage the culprit."""
+        probes = {actor.node_id.remote(): index for index, actor in enumerate(self.actors)}
+        waiting, deadline = list(probes), time.monotonic() + PROBE_TIMEOUT_S
+        while waiting:
+            ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
             try:
-                ray.get(actor.node_id.remote(), timeout=10)
-            except Exception:  # dead, or not answering: either way the stage that failed
+                ray.get(ready[0])
+            except Exception:  # the actor is gone
+                index = probes[ready[0]]
                 return f"stage {index} actor on node {self.nodes[index]} died"
-        return f"a stage failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+        cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        silent = sorted(probes[ref] for ref in waiting)
+        if silent:
+            return f"stages {silent} stopped answering ({cause})"
+        return f"a stage failed ({cause})"
 
     def shutdown(self) -> None:
         if self.compiled is not None:

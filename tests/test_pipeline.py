@@ -86,9 +86,11 @@ def test_killed_stage_resumes_from_checkpoint_with_reference_weights(ray_cluster
 
 
 def test_killed_stage_without_retries_names_the_stage(ray_cluster, base, tmp_path):
-    cfg = with_(base, epochs=2)
-    with pytest.raises(TrainingFailed, match=r"stage 1 actor on node \w+ died; --max-failures 0 exhausted"):
-        run_strategy("pipeline", cfg, scaling=PipelineScaling(num_stages=2, num_microbatches=2), crash_at_epoch=1)
+    # Three stages: when the last dies, stage 0 stays blocked waiting on stage 1 and never
+    # answers a probe; only the stage that is really gone may be named.
+    cfg = with_(base, model="mlp", hidden=8, depth=3, epochs=2)
+    with pytest.raises(TrainingFailed, match=r"stage 2 actor on node \w+ died; --max-failures 0 exhausted"):
+        run_strategy("pipeline", cfg, scaling=PipelineScaling(num_stages=3, num_microbatches=2), crash_at_epoch=1)
     assert not (tmp_path / "run" / "model.pt").exists()
 
 
