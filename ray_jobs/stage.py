@@ -141,23 +141,29 @@ class StageWorker:
         sends = []  # (work, tensor): the tensor must outlive its asynchronous send
         receives = deque(op for op in self.ops if self._needs_input(op))
         posted: deque = deque()
-        try:
-            for op in self.ops:
-                m, forward = op.microbatch, op.kind == FORWARD
-                received = None
-                if self._needs_input(op):
-                    while receives and len(posted) < RECEIVES_AHEAD:
-                        posted.append(self._post_receive(receives.popleft(), rows))
-                    received = self._wait_receive(op, *posted.popleft())
-                out = self.forward(m, received, rows[m]) if forward else self.backward(m, received)
-                if out is not None:
-                    peer = self.stage_index + (1 if forward else -1)
-                    sends.append((dist.isend(out, peer, tag=_tag(op, self.num_microbatches)), out))
-            for work, _ in sends:
-                work.wait()
-        except dist.DistError as error:
-            raise PeerLost(f"stage {self.stage_index}: {error}") from None
+        for op in self.ops:
+            m, forward = op.microbatch, op.kind == FORWARD
+            received = None
+            if self._needs_input(op):
+                while receives and len(posted) < RECEIVES_AHEAD:
+                    posted.append(self._post_receive(receives.popleft(), rows))
+                received = self._wait_receive(op, *posted.popleft())
+            out = self.forward(m, received, rows[m]) if forward else self.backward(m, received)
+            if out is not None:
+                peer = self.stage_index + (1 if forward else -1)
+                sends.append((self._gloo(dist.isend, out, peer, tag=_tag(op, self.num_microbatches)), out))
+        for work, _ in sends:
+            self._gloo(work.wait)
         return self.step()
+
+    def _gloo(self, call, *args, **kwargs):
+        """A send, receive or wait; its failure means a peer died or timed out. gloo raises
+        ``DistBackendError`` or a plain ``RuntimeError`` (both seen), so only these calls are
+        wrapped: a RuntimeError from compute is a bug, not a lost peer."""
+        try:
+            return call(*args, **kwargs)
+        except RuntimeError as error:
+            raise PeerLost(f"stage {self.stage_index}: {str(error).splitlines()[0] if str(error) else error!r}") from None
 
     def _needs_input(self, op) -> bool:
         return not self.is_first if op.kind == FORWARD else not self.is_last
@@ -166,13 +172,13 @@ class StageWorker:
         peer = self.stage_index + (-1 if op.kind == FORWARD else 1)
         shape, dtype = self.boundary_shapes[min(peer, self.stage_index)]  # the cut between the two
         buffer = torch.empty((len(rows[op.microbatch]), *shape), dtype=dtype)  # gloo: host memory
-        return op, dist.irecv(buffer, peer, tag=_tag(op, self.num_microbatches)), buffer
+        return op, self._gloo(dist.irecv, buffer, peer, tag=_tag(op, self.num_microbatches)), buffer
 
     def _wait_receive(self, op, posted_op, work, buffer: torch.Tensor) -> torch.Tensor:
         if posted_op != op:
             raise RuntimeError(f"stage {self.stage_index}: receive for {posted_op} posted, {op} needed")
         began = time.perf_counter()
-        work.wait()
+        self._gloo(work.wait)
         self.timing["receive_wait_s"] += time.perf_counter() - began
         return buffer
 

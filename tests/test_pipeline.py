@@ -21,11 +21,17 @@ MODELS = {
     "mlp-4": ({"model": "mlp", "hidden": 12, "depth": 5}, 4),
 }
 CASES = [
-    (model, schedule, num_microbatches, shuffle, transport)
-    for model in MODELS
-    for schedule in ("gpipe", "1f1b")
-    for num_microbatches, shuffle, transport in ((1, True, "p2p"), (2, False, "actor_calls"), (4, True, "compiled"))
-] + [("mlp-3", "sequential", 4, False, "p2p")]
+    # p2p, the default transport: every model (S = 2, 3, 4) and schedule, micro-batches interleaved
+    (model, schedule, 4, True, "p2p") for model in MODELS for schedule in ("gpipe", "1f1b")
+] + [
+    ("seed-split", "gpipe", 1, False, "p2p"),  # M=1 < S: the pipeline never fills
+    ("mlp-3", "sequential", 4, False, "p2p"),
+    # the other transports: the same arithmetic over another path
+    ("mlp-3", "gpipe", 2, False, "actor_calls"),
+    ("mlp-4", "1f1b", 2, True, "actor_calls"),
+    ("mlp-3", "1f1b", 4, True, "compiled"),
+    ("mlp-4", "gpipe", 4, False, "compiled"),
+]
 TRANSPORT_NAMES = {"p2p": "p2p_gloo", "compiled": "compiled_graph", "actor_calls": "actor_calls"}
 
 
