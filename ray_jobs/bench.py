@@ -103,7 +103,6 @@ class Suite:
     """Runs of the configurations the targets judge (M = ``target_microbatches``): with both
     cores computing, Ray's own processes preempt a stage now and then, so runs differ more than
     the epochs within one run."""
-    """Repetitions of each pipeline configuration."""
     ddp_workers: int
     """Workers of the DDP-overhead and DataParallel-vs-DDP cases (capped by the cluster's CPUs)."""
     max_workers: int
@@ -201,11 +200,15 @@ def stats(values: Sequence[float]) -> dict[str, Any]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
 
 
+def after_warmup(epochs: Sequence) -> Sequence:
+    """A run's epochs after the first, which pays one-time costs (allocations, the first gloo
+    exchanges, caches); these are the run's repetitions. One epoch: that epoch."""
+    return epochs[1:] or epochs
+
+
 def steady(epoch_seconds: Sequence[float], samples_per_epoch: int) -> list[float]:
-    """Samples/s of each epoch after the first, which pays one-time costs (allocations, the
-    first gloo exchanges, caches); these are a run's repetitions. One epoch: that epoch."""
-    timed = epoch_seconds[1:] or epoch_seconds
-    return [samples_per_epoch / seconds for seconds in timed]
+    """Samples/s of each epoch ``after_warmup``."""
+    return [samples_per_epoch / seconds for seconds in after_warmup(epoch_seconds)]
 
 
 def ratio(numerator: dict[str, Any], denominator: dict[str, Any]) -> dict[str, Any]:
@@ -521,9 +524,7 @@ class Bench:
             summary = pipeline.run(prepared, scaling)
         self._clean(prepared.run_dir)
         work, num_stages = self.suite.pipeline, self.suite.num_stages
-        # Epochs after the first are the run's repetitions (see ``steady``).
-        epochs = list(zip(summary.extra["epoch_seconds"], summary.extra["epoch_stage_time_fractions"]))
-        timed = epochs[1:] or epochs
+        timed = after_warmup(list(zip(summary.extra["epoch_seconds"], summary.extra["epoch_stage_time_fractions"])))
         step_s = [seconds / work.steps_per_epoch for seconds, _ in timed]
         busy_s = [(1.0 - f["bubble"]) * num_stages * step for step, (_, f) in zip(step_s, timed)]
         result = {"samples_per_second": steady(summary.extra["epoch_seconds"], work.samples_per_epoch),
@@ -650,13 +651,13 @@ class Bench:
                 self._measure(raw[config], f"pipeline S={suite.num_stages} M={m} {schedule} {transport}", rep,
                               lambda config=config: self.pipeline(*config))
         single_figures = summarise(single)
+        figures_of = {config: summarise(runs, text=("transport",)) for config, runs in raw.items()}
         rows = []
         for schedule, m, transport in wanted:
             ran_as = same_as[(schedule, m, transport)]
-            runs = raw[(ran_as, m, transport)]
-            figures = summarise(runs, text=("transport",))
+            runs, figures = raw[(ran_as, m, transport)], figures_of[(ran_as, m, transport)]
             # the no-overlap baseline over the same transport, when that was run
-            baseline = summarise(raw.get(("sequential", m, transport), []))
+            baseline = figures_of.get(("sequential", m, transport))
             row_bytes = (work.batch_size // m) * work.hidden * 4  # float32 activations at a cut
             rows.append({
                 "schedule": schedule, "num_microbatches": m, "transport_requested": transport,
@@ -669,6 +670,7 @@ class Bench:
                 "bubble_theory": gpipe_bubble(suite.num_stages, m) if schedule != "sequential" else None,
                 "bubble_theory_measured_stages": figures["uneven_stage_bubble"] if schedule != "sequential" else None,
                 "transfer_us": figures["transfer_us"] if schedule == "sequential" else None,
+                "step_s": figures["step_s"], "busy_s": figures["busy_s"],
                 "bytes_per_transfer": row_bytes,
                 "time_fractions": {key: figures.get(f"{key}_fraction") for key in ("compute", "optimizer",
                                                                                   "receive_wait")},
@@ -677,8 +679,7 @@ class Bench:
         transports = []
         for schedule in suite.other_transport_schedules:
             for m in suite.other_transport_microbatches:
-                figures = {t: summarise(raw[(same_as[(schedule, m, t)], m, t)])
-                           for t in (PIPELINE_TRANSPORT, *OTHER_TRANSPORTS)}
+                figures = {t: figures_of[(same_as[(schedule, m, t)], m, t)] for t in (PIPELINE_TRANSPORT, *OTHER_TRANSPORTS)}
                 main = figures[PIPELINE_TRANSPORT]["samples_per_second"]
                 transports.append({
                     "schedule": schedule, "num_microbatches": m,
@@ -716,6 +717,7 @@ class Bench:
         self.log(f"[bench] {label}, run {rep + 1}: {sps:,.0f} samples/s, {time.perf_counter() - began:.1f} s")
 
 
+CASES = ("data_parallel", "pipeline", "ingest")
 PIPELINE_SCHEDULES = ("sequential", "gpipe", "1f1b")
 PIPELINE_TRANSPORT = "p2p"  # raypar's default (auto); the sweep's transport
 OTHER_TRANSPORTS = ("compiled", "actor_calls")  # compared with it at a few configurations
@@ -904,7 +906,7 @@ def render(results: dict[str, Any]) -> str:
                 ["M", "micro-batch rows", "bytes per transfer", "transport", "step ms", "compute + optimizer ms",
                  "µs per transfer"],
                 [[r["num_microbatches"], work["batch_size"] // r["num_microbatches"], f"{r['bytes_per_transfer']:,}",
-                  r["transport"], fmt(_figure(r, "step_s"), ".1f", 1e3), fmt(_figure(r, "busy_s"), ".1f", 1e3),
+                  r["transport"], fmt(r["step_s"], ".1f", 1e3), fmt(r["busy_s"], ".1f", 1e3),
                   fmt(r["transfer_us"], ",.0f")]
                  for r in pipe["configs"] if r["schedule"] == "sequential"],
             ),
@@ -966,10 +968,6 @@ def _time_shares(row: dict) -> list[str]:
     shares = row["time_fractions"]
     known = [shares[k]["median"] for k in ("compute", "optimizer", "receive_wait")]
     return [*(f"{v:.3f}" for v in known), f"{1.0 - sum(known):.3f}"]
-
-
-def _figure(row: dict, key: str) -> dict | None:
-    return summarise(row["raw"]).get(key)
 
 
 def _workload_line(work: dict[str, Any]) -> str:
@@ -1088,7 +1086,7 @@ def _load_average() -> list[float] | None:
 
 
 def run_suite(suite: Suite, out: str, storage_path: str, address: str | None,
-              cases: Sequence[str] = ("data_parallel", "pipeline", "ingest")) -> dict[str, Any]:
+              cases: Sequence[str] = CASES) -> dict[str, Any]:
     """Run ``suite`` and write ``bench.json``, ``bench.md`` and plots into ``out``."""
     from ray_jobs.session import connect
 
@@ -1125,8 +1123,6 @@ def _write_json(results: dict[str, Any], out: str) -> None:
         json.dump(results, handle, indent=2, default=str)
     os.replace(path + ".partial", path)
 
-
-CASES = ("data_parallel", "pipeline", "ingest")
 
 
 def main(argv: list[str] | None = None) -> int:
