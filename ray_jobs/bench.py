@@ -227,16 +227,6 @@ def gpipe_bubble(num_stages: int, num_microbatches: int) -> float:
     return (num_stages - 1) / (num_microbatches + num_stages - 1)
 
 
-def uneven_stage_bubble(stage_compute: Sequence[float], num_microbatches: int) -> float:
-    """The GPipe bubble for stages of unequal cost, with free transfers: one batch takes
-    (M-1) x the slowest stage's micro-batch plus one micro-batch through every stage, so
-    (S-1)/(M+S-1) when the stages are equal. ``stage_compute``: each stage's compute, any unit."""
-    num_stages = len(stage_compute)
-    per_microbatch = [c / num_microbatches for c in stage_compute]
-    wall = (num_microbatches - 1) * max(per_microbatch) + sum(per_microbatch)
-    return 1.0 - sum(stage_compute) / (num_stages * wall)
-
-
 def transfer_overhead_us(step_seconds: float, busy_seconds: float, num_stages: int, num_microbatches: int) -> float:
     """Wall time of a no-overlap step not spent computing, per activation or gradient transfer.
 
@@ -534,8 +524,7 @@ class Bench:
                                   for step, busy in zip(step_s, busy_s)]}
         for key in ("compute", "optimizer", "receive_wait"):
             result[f"{key}_fraction"] = [f.get(key, 0.0) for _, f in timed]
-        result["uneven_stage_bubble"] = [uneven_stage_bubble(f["compute_by_stage"], num_microbatches)
-                                         for _, f in timed]
+        result["schedule_bubble"] = [f["schedule_bubble"] for _, f in timed]
         return result
 
     def ingest(self) -> dict[str, Any]:
@@ -668,7 +657,7 @@ class Bench:
                 "speedup_vs_single_process": ratio(figures["samples_per_second"], single_figures["samples_per_second"]),
                 "bubble_fraction": figures["bubble_fraction"],
                 "bubble_theory": gpipe_bubble(suite.num_stages, m) if schedule != "sequential" else None,
-                "bubble_theory_measured_stages": figures["uneven_stage_bubble"] if schedule != "sequential" else None,
+                "bubble_schedule_measured_ops": figures["schedule_bubble"],
                 "transfer_us": figures["transfer_us"] if schedule == "sequential" else None,
                 "step_s": figures["step_s"], "busy_s": figures["busy_s"],
                 "bytes_per_transfer": row_bytes,
@@ -881,19 +870,19 @@ def render(results: dict[str, Any]) -> str:
             ),
             "", f"### Where the stages' time goes (M={pipe['target_microbatches']})", "",
             "Shares of wall x S; `other`: dispatch, send calls and Python between ops (and, for "
-            "transports other than p2p, waiting, which only p2p measures apart). `theory, measured "
-            "stages`: the GPipe bubble for stages as uneven as measured (each stage's compute), free "
-            "transfers: (M-1) x the slowest stage's micro-batch + one micro-batch through all stages; "
-            "the gap between it and the equal-stage theory is the stages' imbalance, the gap between "
-            "it and the measured bubble is transfers and dispatch.",
+            "transports other than p2p, waiting, which only p2p measures apart). `schedule, measured "
+            "ops`: the bubble of the schedule replayed with every op's and optimizer step's measured "
+            "duration and instant transfers. Its gap to the equal-stage theory is the stages' imbalance "
+            "and ops slowed by the CPU (here: two busy cores slow each other's matmuls); its gap to "
+            "the measured bubble is raypar's own cost (transfers, wake-ups, dispatch).",
             "",
             markdown_table(
                 ["schedule", "transport", "compute", "optimizer", "receive wait", "other", "bubble",
-                 "theory, equal stages", "theory, measured stages"],
+                 "theory, equal stages", "schedule, measured ops"],
                 [[r["schedule"], r["transport"], *_time_shares(r),
                   fmt(r["bubble_fraction"], ".3f"),
                   f"{r['bubble_theory']:.3f}" if r["bubble_theory"] is not None else "-",
-                  fmt(r["bubble_theory_measured_stages"], ".3f")]
+                  fmt(r["bubble_schedule_measured_ops"], ".3f")]
                  for r in pipe["configs"]
                  if r["num_microbatches"] == pipe["target_microbatches"] and not r["same_ops_as"]],
             ),
@@ -915,7 +904,7 @@ def render(results: dict[str, Any]) -> str:
             parts += [
                 "", "### Transports", "",
                 f"`{PIPELINE_TRANSPORT}` (the default): torch.distributed send/recv between the stage actors, one "
-                "actor call per stage per batch; `compiled`: a Ray Compiled Graph, one node per op; "
+                "actor call per stage per few batches (`--batches-per-call`); `compiled`: a Ray Compiled Graph, one node per op; "
                 "`actor_calls`: one Ray actor call per op, activations as object references.",
                 "",
                 markdown_table(

@@ -4,7 +4,7 @@ The model is cut into S stages (``models.split_into_stages``), each a Ray actor 
 GPU (or CPUs), placed with one placement-group bundle per stage. Each global batch is cut into
 M micro-batches; activations flow forward and gradients back between the actors, never through
 the driver, in the order a schedule (GPipe or 1F1B) gives: over torch.distributed send/recv
-(``p2p``: one actor call per stage per batch), a Ray Compiled Graph (``compiled``: nccl
+(``p2p``: one actor call per stage per few batches), a Ray Compiled Graph (``compiled``: nccl
 channels between GPUs), or one actor call per op with object references (``actor_calls``).
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 
 import ray
+import torch
 from ray.dag import InputNode, MultiOutputNode
 from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayChannelTimeoutError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
@@ -29,7 +30,7 @@ from ray_jobs.cli import entry_point
 from ray_jobs.config import PLACEMENT_STRATEGIES, TrainConfig, flag_doc, require, require_choice, require_divisible
 from ray_jobs.preflight import wait_for_bundles
 from ray_jobs.runner import PreparedRun, finish, record_failure
-from ray_jobs.schedules import BACKWARD, FORWARD, SCHEDULES, execution_order
+from ray_jobs.schedules import BACKWARD, FORWARD, SCHEDULES, execution_order, replayed_bubble
 from ray_jobs.stage import PeerLost, StageWorker
 from ray_jobs.summary import TrainSummary
 from ray_jobs.train_workers import TrainingFailed
@@ -38,8 +39,9 @@ from ray_jobs.training import epoch_order, global_batches, non_finite_loss, shar
 EPOCH_PREFIX = "checkpoint_epoch_"
 PLACEMENT_TIMEOUT_S = 120.0
 PROBE_TIMEOUT_S = 10.0  # how long a failed pipeline waits for its stages to answer "are you alive"
-# Global batches in flight at once; more only holds more activations, the overlap is the same.
-MAX_INFLIGHT_BATCHES = 2
+# Actor calls (of --batches-per-call batches each) in flight at once; more only holds more
+# activations, the overlap is the same.
+MAX_INFLIGHT_CALLS = 2
 TRANSPORTS = ("auto", "p2p", "compiled", "actor_calls")
 # What a dead stage looks like to the driver, through any transport (p2p: a peer's send or
 # receive fails before Ray reports the dead actor).
@@ -61,7 +63,7 @@ class PipelineScaling:
     transport: str = field(
         default="auto",
         metadata=flag_doc("p2p: torch.distributed (gloo) send/recv between the stages, one actor call per "
-                      "stage per batch, tensors through host memory; compiled: a Ray Compiled Graph (nccl "
+                      "stage per --batches-per-call batches, tensors through host memory; compiled: a Ray Compiled Graph (nccl "
                       "between GPUs); actor_calls: one actor call per op; auto: compiled for GPU stages on "
                       "one node, else p2p", choices=TRANSPORTS),
     )
@@ -69,9 +71,16 @@ class PipelineScaling:
     batch_timeout_s: float = field(
         default=600.0, metadata=flag_doc("fail the run when one global batch takes longer than this (s)")
     )
+    batches_per_call: int = field(
+        default=8,
+        metadata=flag_doc("p2p: global batches per actor call; more removes the dispatch gap between batches, "
+                          "fewer lets Ctrl-C and the batch timeout act sooner (every batch still has its "
+                          "own loss and optimizer step)"),
+    )
 
     def __post_init__(self) -> None:
         require(self.batch_timeout_s > 0, "batch_timeout_s", self.batch_timeout_s, "positive")
+        require(self.batches_per_call >= 1, "batches_per_call", self.batches_per_call, "at least 1")
         require_choice(self.transport, TRANSPORTS, "transport")
         require(self.num_stages >= 1, "num_stages", self.num_stages, "at least 1")
         require(self.num_microbatches >= 1, "num_microbatches", self.num_microbatches, "at least 1")
@@ -162,24 +171,29 @@ class Pipeline:
         its forward of batch k+1 still comes after its own optimizer step of batch k, and
         the result is the same as running the batches one by one, without the flush between.
         """
+        size = self.scaling.batches_per_call if self.transport == "p2p_gloo" else 1
         pending: deque = deque()
-        losses = []
-        for batch in batches:
-            interrupts.check()  # between batches: nothing is half-submitted
-            pending.append((self._submit(batch), time.perf_counter()))
-            if len(pending) > MAX_INFLIGHT_BATCHES:
-                losses.append(self._collect(*pending.popleft()))
+        losses: list[float] = []
+        for start in range(0, len(batches), size):
+            interrupts.check()  # between calls: nothing is half-submitted
+            chunk = batches[start:start + size]
+            pending.append((self._submit(chunk), len(chunk), time.perf_counter()))
+            if len(pending) > MAX_INFLIGHT_CALLS:
+                losses += self._collect(*pending.popleft())
         while pending:
-            losses.append(self._collect(*pending.popleft()))
+            losses += self._collect(*pending.popleft())
         return losses
 
-    def _submit(self, batch):
-        last = self.scaling.num_stages - 1
+    def _submit(self, chunk: list):
+        """One actor call per stage for the chunk's batches (p2p), else its one batch."""
+        if self.transport == "p2p_gloo":
+            rows = torch.stack(chunk)
+            return [actor.run_batches.remote(rows) for actor in self.actors]
+        (batch,) = chunk
         rows = [shard(batch, self.scaling.num_microbatches, m) for m in range(self.scaling.num_microbatches)]
         if self.compiled is not None:
             return self.compiled.execute(*rows)
-        if self.transport == "p2p_gloo":
-            return [actor.run_batch.remote(rows) for actor in self.actors]
+        last = self.scaling.num_stages - 1
         outputs = {}
         for stage, op in self.order:
             m = op.microbatch
@@ -191,24 +205,30 @@ class Pipeline:
                 outputs[(stage, BACKWARD, m)] = self.actors[stage].backward.remote(m, grad)
         return [actor.step.remote() for actor in self.actors]
 
-    def _collect(self, handle, submitted: float) -> float:
+    def _collect(self, handle, num_batches: int, submitted: float) -> list[float]:
+        """The losses of one submitted call (the last stage computes them)."""
         if self.compiled is not None:
             # Waiting on a compiled graph's result busy-polls a whole core; sleep through most
             # of a batch's expected duration first so the stages keep the CPU.
             time.sleep(max(0.0, 0.8 * self.batch_seconds - (time.perf_counter() - submitted)))
         began = time.perf_counter()
+        timeout = self.scaling.batch_timeout_s * num_batches
         try:
             if self.compiled is not None:
-                loss = ray.get(handle, timeout=self.scaling.batch_timeout_s)[-1]
+                losses = [ray.get(handle, timeout=timeout)[-1]]
+            elif self.transport == "p2p_gloo":
+                losses = _get_failing_fast(handle, timeout)[-1]
             else:
-                loss = _get_failing_fast(handle, self.scaling.batch_timeout_s)[-1]
+                losses = [_get_failing_fast(handle, timeout)[-1]]
         except (GetTimeoutError, RayChannelTimeoutError):
             raise TrainingFailed(
                 f"a global batch did not finish within --batch-timeout-s {self.scaling.batch_timeout_s:g} "
-                f"(transport {self.transport}, stages on nodes {self.nodes})"
+                f"(a call of {num_batches} batch(es) waited {timeout:g} s; transport {self.transport}, "
+                f"stages on nodes {self.nodes})"
             ) from None
-        self.batch_seconds = 0.5 * self.batch_seconds + 0.5 * (time.perf_counter() - max(began, submitted))
-        return loss
+        elapsed = (time.perf_counter() - max(began, submitted)) / num_batches
+        self.batch_seconds = 0.5 * self.batch_seconds + 0.5 * elapsed
+        return losses
 
     def gather_state(self) -> tuple[dict, dict]:
         parts = ray.get([actor.state.remote() for actor in self.actors])
@@ -326,10 +346,13 @@ class Attempt:
     epoch_seconds: list[float] = field(default_factory=list)
     epoch_timing: list[dict[str, float]] = field(default_factory=list)  # per epoch, summed over stages
     epoch_stage_compute: list[list[float]] = field(default_factory=list)  # per epoch, per stage
+    # per epoch: each stage's op durations and optimizer-step durations, in its own order
+    epoch_durations: list[tuple[list[list[float]], list[list[float]]]] = field(default_factory=list)
     peak_alive: int = 0
 
     def add_epoch(self, seconds: float, timings: list[dict[str, float]]) -> None:
         summed: dict[str, float] = {}
+        self.epoch_durations.append(([t.pop("op_seconds") for t in timings], [t.pop("step_seconds") for t in timings]))
         for timing in timings:
             self.peak_alive = max(self.peak_alive, timing.pop("peak_live_microbatches"))
             for key, value in timing.items():
@@ -398,6 +421,7 @@ def run(prepared: PreparedRun, scaling: PipelineScaling, crash_at_epoch: int | N
 def _finish(prepared: PreparedRun, scaling: PipelineScaling, pipeline: Pipeline, attempt: Attempt) -> TrainSummary:
     seconds = sum(attempt.epoch_seconds)
     total = {key: sum(epoch.get(key, 0.0) for epoch in attempt.epoch_timing) for key in STAGE_TIME_KEYS}
+    schedules = SCHEDULES[scaling.schedule](scaling.num_stages, scaling.num_microbatches)
     extra = {
         "stage_nodes": pipeline.nodes,
         "transport": pipeline.transport,
@@ -411,9 +435,10 @@ def _finish(prepared: PreparedRun, scaling: PipelineScaling, pipeline: Pipeline,
         "epoch_stage_time_fractions": [
             {**_fractions(timing, epoch_seconds * scaling.num_stages),
              "bubble": bubble_fraction(timing, epoch_seconds, scaling.num_stages),
+             "schedule_bubble": replayed_bubble(schedules, *durations),
              "compute_by_stage": [compute / epoch_seconds for compute in by_stage]}
-            for timing, by_stage, epoch_seconds in zip(attempt.epoch_timing, attempt.epoch_stage_compute,
-                                                       attempt.epoch_seconds)
+            for timing, by_stage, epoch_seconds, durations in zip(
+                attempt.epoch_timing, attempt.epoch_stage_compute, attempt.epoch_seconds, attempt.epoch_durations)
         ],
     }
     metrics = {

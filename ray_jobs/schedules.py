@@ -93,6 +93,32 @@ def execution_order(schedules: list[list[Op]]) -> list[tuple[int, Op]]:
     return order
 
 
+def replayed_bubble(schedules: list[list[Op]], op_seconds: list[list[float]],
+                    step_seconds: list[list[float]]) -> float | None:
+    """The bubble ``schedules`` would have with these measured durations and instant transfers:
+    what the schedule itself costs with these stages on this machine, before any transport,
+    wake-up or dispatch. Unlike the GPipe formula it holds for any schedule, for uneven stages
+    and for ops slowed now and then (by a noisy CPU), since each op keeps its own duration.
+
+    ``op_seconds[s]``: stage s's op durations over consecutive batches, in its own order;
+    ``step_seconds[s]``: its optimizer step of each of those batches.
+    """
+    num_stages = len(schedules)
+    order = execution_order(schedules)
+    durations = [iter(seconds) for seconds in op_seconds]
+    clock = [0.0] * num_stages
+    for steps in zip(*step_seconds):
+        finished: dict[tuple[int, Op], float] = {}
+        for stage, op in order:
+            needed = dependency(stage, op, num_stages)
+            start = max(clock[stage], finished[needed] if needed is not None else 0.0)
+            clock[stage] = finished[(stage, op)] = start + next(durations[stage])
+        clock = [stage_clock + step for stage_clock, step in zip(clock, steps)]
+    wall = max(clock)
+    busy = sum(map(sum, op_seconds)) + sum(map(sum, step_seconds))
+    return 1.0 - busy / (num_stages * wall) if wall else None
+
+
 def peak_live_activations(ops: list[Op]) -> int:
     """Most micro-batches forwarded but not yet backwarded at any point of one stage's list."""
     live = peak = 0

@@ -160,13 +160,3 @@ def test_torch_ddp_peer_with_two_processes_matches_a_single_process_loop(regress
     assert got.world_size == 2 and got.samples_per_second > 0
     assert 0 < got.first_step_s < got.wall_s
     assert len(got.peak_rss_bytes) == 2 and min(got.peak_rss_bytes) > 10 * 2**20
-
-
-def test_uneven_stage_bubble():
-    from ray_jobs.bench import uneven_stage_bubble
-
-    assert uneven_stage_bubble([1.0, 1.0], 8) == pytest.approx(gpipe_bubble(2, 8))  # equal stages: GPipe
-    assert uneven_stage_bubble([3.0, 3.0, 3.0, 3.0], 4) == pytest.approx(gpipe_bubble(4, 4))
-    # Stage 0 at 11/12 of stage 1: per micro-batch c0, c1 = 11/96, 1/8; wall 7/8 + 23/96.
-    assert uneven_stage_bubble([11 / 12, 1.0], 8) == pytest.approx(1 - (23 / 12) / (2 * (7 / 8 + 23 / 96)))
-    assert uneven_stage_bubble([2.0], 4) == 0.0  # one stage never waits

@@ -117,3 +117,10 @@ def test_auto_transport_choice(transport, use_gpu, nodes, expected):
     from ray_jobs.pipeline import PipelineScaling, resolve_transport
 
     assert resolve_transport(PipelineScaling(transport=transport, use_gpu=use_gpu), nodes) == expected
+
+
+def test_pipeline_scaling_errors():
+    from ray_jobs.pipeline import PipelineScaling
+
+    with pytest.raises(ValueError, match="--batches-per-call must be at least 1, got 0"):
+        PipelineScaling(batches_per_call=0)

@@ -62,6 +62,16 @@ def test_matches_single_process_reference(ray_cluster, base, model, schedule, nu
         assert record["peak_live_microbatches"] <= min(num_stages, num_microbatches)
 
 
+def test_batches_per_call_changes_nothing(ray_cluster, base):
+    # 12 batches per epoch in calls of 5, 5 and 2: more calls than are kept in flight, and a short one.
+    cfg = with_(base, shuffle=True, batch_size=8, **MODELS["mlp-3"][0])
+    scaling = PipelineScaling(num_stages=3, num_microbatches=4, schedule="1f1b", batches_per_call=5)
+    summary = run_strategy("pipeline", cfg, scaling=scaling)
+    expected_weights, expected_losses = reference_for(cfg)
+    assert_same_weights(load_weights(summary.run_dir), expected_weights)  # tolerance: as above
+    assert summary.losses == pytest.approx(expected_losses, rel=1e-5)
+
+
 def test_classification_and_adamw(ray_cluster, base, classification_data):
     cfg = with_(base, data=classification_data, model="mlp", hidden=8, depth=3, momentum=0.0,
                 optimizer="adamw", lr=0.01, weight_decay=0.01, epochs=3)

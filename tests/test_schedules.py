@@ -12,6 +12,7 @@ from ray_jobs.schedules import (
     gpipe,
     one_f_one_b,
     peak_live_activations,
+    replayed_bubble,
 )
 
 SHAPES = [(1, 1), (1, 4), (2, 1), (2, 2), (2, 8), (3, 4), (4, 2), (4, 4), (4, 16), (8, 8), (8, 3)]
@@ -71,3 +72,31 @@ def test_a_deadlocking_schedule_is_rejected():
 def test_bad_sizes(bad):
     with pytest.raises(ValueError, match="must be at least 1"):
         gpipe(*bad)
+
+
+def _replay(name: str, num_stages: int, num_microbatches: int, forward, backward, num_batches=3, step=0.0):
+    """Replay ``num_batches`` batches where stage s's forward takes forward[s] and backward backward[s]."""
+    schedules = SCHEDULES[name](num_stages, num_microbatches)
+    ops = [[(forward if op.kind == FORWARD else backward)[s] for op in ops] * num_batches
+           for s, ops in enumerate(schedules)]
+    return replayed_bubble(schedules, ops, [[step] * num_batches for _ in range(num_stages)])
+
+
+@pytest.mark.parametrize(("num_stages", "num_microbatches"), [(2, 8), (4, 4), (3, 1)])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_replay_of_equal_stages_is_the_gpipe_formula(name, num_stages, num_microbatches):
+    # Exact in exact arithmetic: float rounding only.
+    bubble = _replay(name, num_stages, num_microbatches, [1.0] * num_stages, [2.0] * num_stages)
+    assert bubble == pytest.approx((num_stages - 1) / (num_microbatches + num_stages - 1), abs=1e-12)
+
+
+def test_replay_of_uneven_and_unoverlapped_stages():
+    # GPipe, stage 1 slower: a batch takes (M-1) x the slowest stage's micro-batch plus one
+    # micro-batch through every stage.
+    wall = 7 * (1.5 + 3.0) + (1.0 + 2.0) + (1.5 + 3.0)
+    expected = 1 - 8 * (3.0 + 4.5) / (2 * wall)
+    assert _replay("gpipe", 2, 8, [1.0, 1.5], [2.0, 3.0]) == pytest.approx(expected, abs=1e-12)
+    assert _replay("sequential", 2, 4, [1.0, 1.0], [2.0, 2.0]) == pytest.approx(0.5, abs=1e-12)  # one at a time
+    assert _replay("gpipe", 1, 4, [1.0], [2.0]) == 0.0  # one stage never waits
+    # An optimizer step delays the next batch on its own stage only.
+    assert _replay("gpipe", 1, 4, [1.0], [2.0], step=1.0) == 0.0
