@@ -19,7 +19,6 @@ import os
 import platform
 import resource
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -317,12 +316,11 @@ def torch_ddp(
 ) -> PeerResult:
     """Train with plain torch.distributed DDP: ``world_size`` processes from
     ``torch.multiprocessing.spawn``, gloo on 127.0.0.1; one process and no DDP when 1."""
-    port = _free_port()
     with tempfile.TemporaryDirectory(prefix="raypar-bench-peer-") as directory:
         began = time.time()
         context = mp.spawn(
             _peer_worker,
-            args=(world_size, port, asdict(cfg), dataset, initial_state, num_threads, directory, timeout_s),
+            args=(world_size, asdict(cfg), dataset, initial_state, num_threads, directory, timeout_s),
             nprocs=world_size,
             join=False,
         )
@@ -350,15 +348,17 @@ def torch_ddp(
 
 
 def _peer_worker(
-    world_rank: int, world_size: int, port: int, train: dict[str, Any], dataset: Dataset,
+    world_rank: int, world_size: int, train: dict[str, Any], dataset: Dataset,
     initial_state: dict[str, torch.Tensor], num_threads: int, directory: str, timeout_s: float,
 ) -> None:
     """The DDP tutorial's worker over raypar's training contract: what raypar's loop does, minus Ray."""
     cfg = TrainConfig(**train)
     torch.set_num_threads(num_threads)
     if world_size > 1:
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-        dist.init_process_group("gloo", rank=world_rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        # The tutorial's MASTER_PORT would need a port picked free in advance, which another
+        # process can take before rank 0 binds it; a file store in the run's folder cannot race.
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(directory, 'store')}", rank=world_rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
     model = build_model(cfg.model, dataset.in_features, dataset.out_features, **cfg.model_options)
     model.load_state_dict(initial_state)
     optimizer = build_optimizer(model.parameters(), cfg)
@@ -392,12 +392,6 @@ def _peer_worker(
         # Leave together: a rank tearing gloo down while its peer is still saving can abort it.
         dist.barrier()
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def peak_rss_bytes() -> int:
