@@ -34,7 +34,7 @@ from ray_jobs.schedules import BACKWARD, FORWARD, SCHEDULES, execution_order, re
 from ray_jobs.stage import PeerLost, StageWorker
 from ray_jobs.summary import TrainSummary
 from ray_jobs.train_workers import TrainingFailed
-from ray_jobs.training import epoch_order, global_batches, non_finite_loss, shard
+from ray_jobs.training import epoch_order, global_batches, microbatches, non_finite_loss
 
 EPOCH_PREFIX = "checkpoint_epoch_"
 PLACEMENT_TIMEOUT_S = 120.0
@@ -190,7 +190,7 @@ class Pipeline:
             rows = torch.stack(chunk)
             return [actor.run_batches.remote(rows) for actor in self.actors]
         (batch,) = chunk
-        rows = [shard(batch, self.scaling.num_microbatches, m) for m in range(self.scaling.num_microbatches)]
+        rows = microbatches(batch, self.scaling.num_microbatches)
         if self.compiled is not None:
             return self.compiled.execute(*rows)
         last = self.scaling.num_stages - 1
@@ -345,7 +345,6 @@ class Attempt:
     samples: int = 0
     epoch_seconds: list[float] = field(default_factory=list)
     epoch_timing: list[dict[str, float]] = field(default_factory=list)  # per epoch, summed over stages
-    epoch_stage_compute: list[list[float]] = field(default_factory=list)  # per epoch, per stage
     # per epoch: each stage's op durations and optimizer-step durations, in its own order
     epoch_durations: list[tuple[list[list[float]], list[list[float]]]] = field(default_factory=list)
     peak_alive: int = 0
@@ -359,7 +358,6 @@ class Attempt:
                 summed[key] = summed.get(key, 0.0) + value
         self.epoch_seconds.append(seconds)
         self.epoch_timing.append(summed)
-        self.epoch_stage_compute.append([timing["compute_s"] for timing in timings])
 
 
 def _train_epochs(pipeline: Pipeline, prepared: PreparedRun, attempt: Attempt, crash_at_epoch: int | None) -> None:
@@ -436,9 +434,9 @@ def _finish(prepared: PreparedRun, scaling: PipelineScaling, pipeline: Pipeline,
             {**_fractions(timing, epoch_seconds * scaling.num_stages),
              "bubble": bubble_fraction(timing, epoch_seconds, scaling.num_stages),
              "schedule_bubble": replayed_bubble(schedules, *durations),
-             "compute_by_stage": [compute / epoch_seconds for compute in by_stage]}
-            for timing, by_stage, epoch_seconds, durations in zip(
-                attempt.epoch_timing, attempt.epoch_stage_compute, attempt.epoch_seconds, attempt.epoch_durations)
+             "compute_by_stage": [sum(ops) / epoch_seconds for ops in durations[0]]}
+            for timing, epoch_seconds, durations in zip(attempt.epoch_timing, attempt.epoch_seconds,
+                                                        attempt.epoch_durations)
         ],
     }
     metrics = {

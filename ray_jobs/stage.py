@@ -22,7 +22,7 @@ from ray_jobs.checkpoint import TrainState, load_named_optimizer_state, named_op
 from ray_jobs.config import TrainConfig
 from ray_jobs.data import Dataset
 from ray_jobs.schedules import FORWARD, SCHEDULES
-from ray_jobs.training import build_optimizer, loss_function, shard
+from ray_jobs.training import build_optimizer, loss_function, microbatches
 
 # Receives posted ahead of need (p2p transport); more only holds more buffers.
 RECEIVES_AHEAD = 2
@@ -142,9 +142,7 @@ class StageWorker:
         dispatch gap between batches (measured ~7 ms here) that every stage waits through;
         one tensor instead of a tensor per micro-batch because Ray pickles each tensor
         separately (measured: 64 of them took ~25 ms to submit)."""
-        num_microbatches = self.num_microbatches
-        return [self.run_batch([shard(batch, num_microbatches, m) for m in range(num_microbatches)])
-                for batch in batches]
+        return [self.run_batch(microbatches(batch, self.num_microbatches)) for batch in batches]
 
     def run_batch(self, rows: list[torch.Tensor]) -> float:
         """One global batch: this stage's ops in schedule order, then the optimizer step.

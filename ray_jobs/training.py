@@ -35,6 +35,11 @@ def shard(batch: torch.Tensor, num_shards: int, index: int) -> torch.Tensor:
     return batch[index * size : (index + 1) * size]
 
 
+def microbatches(batch: torch.Tensor, num_microbatches: int) -> list[torch.Tensor]:
+    """A global batch's rows cut into its ``num_microbatches`` pipeline micro-batches, in order."""
+    return [shard(batch, num_microbatches, m) for m in range(num_microbatches)]
+
+
 def loss_function(task: str) -> nn.Module:
     """Mean-reduced loss, so equal shards averaged by all-reduce give the global-batch mean."""
     return nn.CrossEntropyLoss() if task == "classification" else nn.MSELoss()
