@@ -434,7 +434,8 @@ def _finish(prepared: PreparedRun, scaling: PipelineScaling, pipeline: Pipeline,
             {**_fractions(timing, epoch_seconds * scaling.num_stages),
              "bubble": bubble_fraction(timing, epoch_seconds, scaling.num_stages),
              "schedule_bubble": replayed_bubble(schedules, *durations),
-             "compute_by_stage": [sum(ops) / epoch_seconds for ops in durations[0]]}
+             "compute_by_stage": [sum(ops) / epoch_seconds for ops in durations[0]],
+             "optimizer_by_stage": [sum(steps) / epoch_seconds for steps in durations[1]]}
             for timing, epoch_seconds, durations in zip(attempt.epoch_timing, attempt.epoch_seconds,
                                                         attempt.epoch_durations)
         ],

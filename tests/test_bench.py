@@ -13,6 +13,7 @@ from ray_jobs.bench import (
     ratio,
     render,
     same_ops_as,
+    sequential_critical_fraction,
     stats,
     steady,
     summarise,
@@ -72,6 +73,13 @@ def test_schedules_with_the_same_op_order_run_once():
 def test_transfer_overhead_per_transfer():
     # 10 ms step, 6 ms computing, S=2, M=4: 8 transfers share 4 ms.
     assert transfer_overhead_us(0.010, 0.006, 2, 4) == pytest.approx(500.0)
+
+
+def test_sequential_critical_path_counts_only_the_first_stages_optimizer_step():
+    # Shares of wall x S = 2: 0.4 computing per stage on average; each stage's step takes 5% of the
+    # wall, but stage 1 steps while stage 0 runs its backward, so only stage 0's is on the path.
+    fractions = {"compute": 0.4, "optimizer": 0.05, "optimizer_by_stage": [0.05, 0.05]}
+    assert sequential_critical_fraction(fractions, 2) == pytest.approx(0.85)
 
 
 def test_worker_counts_are_powers_of_two_up_to_the_cluster_and_divide_the_batch():
