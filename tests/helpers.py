@@ -2,15 +2,22 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
+from cluster.local import free_port
 from ray_jobs import ddp, dp, pipeline
 from ray_jobs.config import TrainConfig, WorkerScaling
 from ray_jobs.data import read_dataset
 from ray_jobs.runner import prepare
 from ray_jobs.summary import TrainSummary
 from tests.reference import reference_train
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def tensors(path: str) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -57,3 +64,23 @@ def assert_same_weights(got: dict, expected: dict, exact: bool = False) -> None:
 
 def with_(cfg: TrainConfig, **changes) -> TrainConfig:
     return dataclasses.replace(cfg, **changes)
+
+
+def cluster_cli(*argv: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """``python -m cluster.local ...`` with nothing of the shared test cluster in its environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    return subprocess.run([sys.executable, "-m", "cluster.local", *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def cluster_up(state_dir: str, *argv: str, attempts: int = 3) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """``up`` on ports picked free just now, and picked again if one was taken in between.
+
+    Ports picked at import time were in use by the time the cluster started, minutes later
+    (seen in CI; the shared cluster's workers listen on ephemeral ports too)."""
+    for _ in range(attempts):
+        ports = ["--port", str(free_port()), "--dashboard-port", str(free_port())]
+        started = cluster_cli("up", "--state-dir", state_dir, *argv, *ports)
+        if "already in use" not in started.stderr:
+            break
+    return started, ports

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,19 +15,11 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 
 from cluster import local
 from ray_jobs.config import TrainConfig
-from tests.helpers import assert_same_weights, load_weights, reference_for
+from tests.helpers import REPO, assert_same_weights, cluster_cli, cluster_up, load_weights, reference_for
 
 pytestmark = pytest.mark.cluster
 
-REPO = Path(__file__).resolve().parents[1]
-PORTS = ["--port", str(local.free_port()), "--dashboard-port", str(local.free_port())]
 JOB_TIMEOUT_S = 240
-
-
-def cluster_cli(*argv: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}  # nothing from the shared cluster
-    return subprocess.run([sys.executable, "-m", "cluster.local", *argv], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=180)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +27,7 @@ def cluster_state(tmp_path_factory):
     """Two worker nodes of 2 logical CPUs each: room for PACK (both workers on one node)."""
     state_dir = str(tmp_path_factory.mktemp("jobs-cluster"))
     try:
-        started = cluster_cli("up", "--state-dir", state_dir, "--num-nodes", "2", "--cpus-per-node", "2", *PORTS)
+        started, _ = cluster_up(state_dir, "--num-nodes", "2", "--cpus-per-node", "2")
         assert started.returncode == 0, started.stdout + started.stderr
         yield local.load_state(Path(state_dir))
     finally:
