@@ -237,12 +237,12 @@ def transfer_overhead_us(step_seconds: float, critical_seconds: float, num_stage
     return 1e6 * (step_seconds - critical_seconds) / transfers if transfers else float("nan")
 
 
-def sequential_critical_fraction(fractions: dict[str, Any], num_stages: int) -> float:
+def sequential_critical_fraction(fractions: dict[str, Any]) -> float:
     """Share of a no-overlap step's wall time that its compute critical path takes: every stage's
     forward and backward plus the first stage's optimizer step. Each later stage steps while the
     gradient travels back upstream (measured: counting those steps too made the transfer cost
     negative at M = 1 and 2)."""
-    return fractions["compute"] * num_stages + fractions["optimizer_by_stage"][0]
+    return sum(fractions["compute_by_stage"]) + fractions["optimizer_by_stage"][0]
 
 
 def target(name: str, measured: dict[str, Any] | None, goal: str, met: Callable[[float], bool], unit: str = "") -> dict:
@@ -522,7 +522,7 @@ class Bench:
                   "bubble_fraction": [f["bubble"] for _, f in timed],
                   "transport": summary.extra["transport"], "step_s": step_s}
         if schedule == "sequential":  # only there does no compute overlap, so the rest is transfer
-            critical_s = [sequential_critical_fraction(f, num_stages) * step for step, (_, f) in zip(step_s, timed)]
+            critical_s = [sequential_critical_fraction(f) * step for step, (_, f) in zip(step_s, timed)]
             result["critical_s"] = critical_s
             result["transfer_us"] = [transfer_overhead_us(step, critical, num_stages, num_microbatches)
                                      for step, critical in zip(step_s, critical_s)]

@@ -76,10 +76,10 @@ def test_transfer_overhead_per_transfer():
 
 
 def test_sequential_critical_path_counts_only_the_first_stages_optimizer_step():
-    # Shares of wall x S = 2: 0.4 computing per stage on average; each stage's step takes 5% of the
-    # wall, but stage 1 steps while stage 0 runs its backward, so only stage 0's is on the path.
-    fractions = {"compute": 0.4, "optimizer": 0.05, "optimizer_by_stage": [0.05, 0.05]}
-    assert sequential_critical_fraction(fractions, 2) == pytest.approx(0.85)
+    # Shares of the wall: each stage computes 40% of it and steps 5% of it, but stage 1 steps
+    # while stage 0 runs its backward, so only stage 0's step is on the path.
+    fractions = {"compute_by_stage": [0.4, 0.4], "optimizer_by_stage": [0.05, 0.05]}
+    assert sequential_critical_fraction(fractions) == pytest.approx(0.85)
 
 
 def test_worker_counts_are_powers_of_two_up_to_the_cluster_and_divide_the_batch():
