@@ -709,7 +709,7 @@ class Bench:
         began, cpu = time.perf_counter(), cpu_times()
         result = run()
         into.append(result)
-        steal = steal_fraction(cpu, cpu_times())
+        result["steal_fraction"] = steal = steal_fraction(cpu, cpu_times())
         if steal is not None:
             self.steal.append({"run": f"{label}, run {rep + 1}", "steal_fraction": steal})
         sps = result.get("samples_per_second")
@@ -745,10 +745,12 @@ def summarise(runs: list[dict[str, Any]], text: Sequence[str] = ()) -> dict[str,
     """Per-key statistics over repetitions; ``text`` keys keep their (single) value."""
     if not runs:
         return {}
-    keys = [k for k, v in runs[0].items() if isinstance(v, (int, float, list)) and not isinstance(v, bool)]
-    # A list holds one run's timed epochs: every epoch of every run is one repetition.
-    figures: dict[str, Any] = {k: stats([x for r in runs for x in (r[k] if isinstance(r[k], list) else [r[k]])])
-                               for k in keys}
+    keys = {k for r in runs for k, v in r.items() if isinstance(v, (int, float, list)) and not isinstance(v, bool)}
+    # A list holds one run's timed epochs: every epoch of every run is one repetition. None (or
+    # a missing key): not measured in that run, e.g. CPU steal off Linux.
+    values = {k: [x for r in runs for x in (r.get(k) if isinstance(r.get(k), list) else [r.get(k)]) if x is not None]
+              for k in sorted(keys)}
+    figures: dict[str, Any] = {k: stats(v) for k, v in values.items() if v}
     for key in text:
         values = sorted({str(r[key]) for r in runs})
         figures[key] = values[0] if len(values) == 1 else "/".join(values)
@@ -829,6 +831,8 @@ def render(results: dict[str, Any]) -> str:
                     ["total wall, s", fmt(raypar["wall_s"], ".1f"), fmt(peer["wall_s"], ".1f"), "-"],
                     ["peak RSS per worker, MiB", "not reported by the loop",
                      fmt(peer["peak_rss_bytes"], ".0f", 1 / MIB), "-"],
+                    ["CPU steal by the hypervisor, share of each run", fmt(raypar.get("steal_fraction"), ".1%"),
+                     fmt(peer.get("steal_fraction"), ".1%"), "-"],
                 ],
             ),
             "", "## 2. DDP scaling", "",

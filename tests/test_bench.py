@@ -57,6 +57,13 @@ def test_summarise_pools_every_timed_epoch_of_every_run():
     assert figures["wall_s"]["median"] == 11.0 and figures["transport"] == "p2p_gloo"
 
 
+def test_summarise_leaves_out_what_a_run_did_not_measure():
+    runs = [{"wall_s": 10.0, "steal_fraction": None, "off_linux": None},
+            {"wall_s": 12.0, "steal_fraction": 0.1}, {"wall_s": 14.0, "steal_fraction": 0.3}]
+    figures = summarise(runs)
+    assert figures["steal_fraction"] == stats([0.1, 0.3]) and "off_linux" not in figures
+
+
 def test_gpipe_bubble_theory():
     assert gpipe_bubble(2, 8) == pytest.approx(1 / 9)
     assert gpipe_bubble(4, 4) == pytest.approx(3 / 7)
