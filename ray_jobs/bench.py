@@ -42,6 +42,7 @@ from ray_jobs.config import ArgumentParser, TrainConfig, WorkerScaling
 from ray_jobs.data import Dataset, read_dataset, synthesize, write_table
 from ray_jobs.runner import prepare
 from ray_jobs.schedules import SCHEDULES
+from ray_jobs.steal import cpu_times, steal_fraction
 from ray_jobs.training import build_optimizer, epoch_order, global_batches, loss_function, shard, train_step
 
 PEER_TIMEOUT_S = 600.0
@@ -182,6 +183,11 @@ SUITES: dict[str, Suite] = {
 
 # The issue's targets on a CPU machine with gloo: reported, never asserted.
 TARGET_DDP_RATIO = 0.97
+# An epoch is quiet at or below this steal: /proc/stat counts 10 ms ticks, so a ~0.6 s epoch on
+# 2 vCPUs resolves ~1%, and 1 s windows on this VM read 0-1% idle but up to ~7% while spinning.
+QUIET_STEAL = 0.03
+# The DDP ratio is judged on quiet epochs only when each side has at least this many.
+MIN_QUIET_EPOCHS = 2
 TARGET_PIPELINE_SPEEDUP = 1.6
 TARGET_BUBBLE_POINTS = 0.05
 TARGET_INGEST_RATIO = 5.0
@@ -210,6 +216,14 @@ def steady(epoch_seconds: Sequence[float], samples_per_epoch: int) -> list[float
     return [samples_per_epoch / seconds for seconds in after_warmup(epoch_seconds)]
 
 
+def quiet(epoch_seconds: Sequence[float], epoch_steal: Sequence[float | None] | None,
+          samples_per_epoch: int) -> list[float]:
+    """Samples/s of the ``steady`` epochs the hypervisor took at most ``QUIET_STEAL`` of the CPU
+    from: what the code does when the host leaves it alone (steal is never negative noise)."""
+    timed = after_warmup(list(zip(epoch_seconds, epoch_steal or [None] * len(epoch_seconds))))
+    return [samples_per_epoch / seconds for seconds, steal in timed if steal is not None and steal <= QUIET_STEAL]
+
+
 def ratio(numerator: dict[str, Any], denominator: dict[str, Any]) -> dict[str, Any]:
     """Ratio of two figures' medians; min and max are the least and most favourable pairings."""
     return {
@@ -217,6 +231,14 @@ def ratio(numerator: dict[str, Any], denominator: dict[str, Any]) -> dict[str, A
         "min": numerator["min"] / denominator["max"],
         "max": numerator["max"] / denominator["min"],
     }
+
+
+def quiet_ratio(numerator: dict[str, Any], denominator: dict[str, Any]) -> dict[str, Any] | None:
+    """``ratio`` of two summaries' quiet samples/s, when each has ``MIN_QUIET_EPOCHS``."""
+    quiet_figures = [f.get("samples_per_second_quiet") for f in (numerator, denominator)]
+    if any(f is None or len(f["values"]) < MIN_QUIET_EPOCHS for f in quiet_figures):
+        return None
+    return ratio(*quiet_figures)
 
 
 def gpipe_bubble(num_stages: int, num_microbatches: int) -> float:
@@ -311,6 +333,8 @@ class PeerResult:
     """From the call that starts the processes until all have exited."""
     loop_s: float
     epoch_seconds: list[float]
+    epoch_steal: list[float | None]
+    """CPU steal of each epoch, as raypar's loop records it."""
     losses: list[float]
     state: dict[str, torch.Tensor] = field(repr=False)
     peak_rss_bytes: list[int]
@@ -352,6 +376,7 @@ def torch_ddp(
         wall_s=wall,
         loop_s=sum(rank0["epoch_seconds"]),
         epoch_seconds=rank0["epoch_seconds"],
+        epoch_steal=rank0["epoch_steal"],
         losses=rank0["losses"],
         state=rank0["state"],
         peak_rss_bytes=[r["peak_rss_bytes"] for r in ranks],
@@ -377,9 +402,9 @@ def _peer_worker(
     features, targets = dataset.tensors()
     loss_fn = loss_function(dataset.task)
 
-    first_step_at, losses, samples, epoch_seconds = None, [], 0, []
+    first_step_at, losses, samples, epoch_seconds, epoch_steal = None, [], 0, [], []
     for epoch in range(cfg.epochs):
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), cpu_times()
         batches = global_batches(epoch_order(dataset.num_rows, cfg.seed, epoch, cfg.shuffle), cfg.batch_size)
         step_losses = torch.zeros(len(batches))
         for step, batch in enumerate(batches):
@@ -393,8 +418,10 @@ def _peer_worker(
             step_losses = step_losses / world_size
         losses.append(sum(step_losses.tolist()) / len(batches))
         epoch_seconds.append(time.perf_counter() - began)
+        epoch_steal.append(steal_fraction(cpu, cpu_times()))
         samples += len(batches) * cfg.batch_size
     result = {"first_step_at": first_step_at, "losses": losses, "samples": samples, "epoch_seconds": epoch_seconds,
+              "epoch_steal": epoch_steal,
               "peak_rss_bytes": peak_rss_bytes()}
     if world_rank == 0:
         result["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -494,7 +521,9 @@ class Bench:
         wall = time.perf_counter() - began
         epochs = summary.extra["epoch_seconds"]
         self._clean(prepared.run_dir)
-        return {"samples_per_second": steady(epochs, self.suite.ddp.samples_per_epoch), "wall_s": wall,
+        return {"samples_per_second": steady(epochs, self.suite.ddp.samples_per_epoch),
+                "samples_per_second_quiet": quiet(epochs, summary.extra["epoch_steal"], self.suite.ddp.samples_per_epoch),
+                "wall_s": wall,
                 "loop_s": sum(epochs), "startup_s": wall - sum(epochs), "final_loss": summary.losses[-1]}
 
     def peer(self, work: Workload, data: str, world_size: int, num_threads: int) -> dict[str, Any]:
@@ -503,6 +532,7 @@ class Bench:
         result = torch_ddp(cfg, prepared.dataset, prepared.initial_state, world_size, num_threads)
         self._clean(prepared.run_dir)
         return {"samples_per_second": steady(result.epoch_seconds, work.samples_per_epoch),
+                "samples_per_second_quiet": quiet(result.epoch_seconds, result.epoch_steal, work.samples_per_epoch),
                 "wall_s": result.wall_s, "loop_s": result.loop_s,
                 "startup_s": result.wall_s - result.loop_s, "first_step_s": result.first_step_s,
                 "peak_rss_bytes": max(result.peak_rss_bytes), "final_loss": result.losses[-1]}
@@ -610,6 +640,7 @@ class Bench:
                 "raypar": ddp_main,
                 "torch": peer,
                 "samples_per_second_ratio": ratio(ddp_main["samples_per_second"], peer["samples_per_second"]),
+                "quiet_samples_per_second_ratio": quiet_ratio(ddp_main, peer),
                 "startup_ratio": ratio(ddp_main["startup_s"], peer["startup_s"]),
                 "raw": {"raypar": raw[f"ddp{ddp_workers}"], "torch": raw[f"torch{ddp_workers}"]},
             },
@@ -765,8 +796,11 @@ def targets(results: dict[str, Any]) -> list[dict]:
     found = []
     data_parallel = results.get("data_parallel")
     overhead = data_parallel["ddp_overhead"] if data_parallel else None
+    # Judged where the host left both sides alone, if it did often enough: steal only slows.
+    quiet_judged = overhead and overhead.get("quiet_samples_per_second_ratio")
     found.append(target(
-        "DDP steady samples/s, raypar / torch", overhead and overhead["samples_per_second_ratio"],
+        "DDP steady samples/s, raypar / torch" + (f", epochs with <= {QUIET_STEAL:.0%} steal" if quiet_judged else ""),
+        quiet_judged or (overhead and overhead["samples_per_second_ratio"]),
         f">= {TARGET_DDP_RATIO}x", lambda v: v >= TARGET_DDP_RATIO, "x"))
     pipe, settings = results.get("pipeline"), results.get("settings", {})
     num_stages, m = settings.get("num_stages", "?"), settings.get("target_microbatches", "?")
@@ -823,6 +857,8 @@ def render(results: dict[str, Any]) -> str:
                 [
                     ["steady samples/s (epoch loops only)", fmt(raypar["samples_per_second"]),
                      fmt(peer["samples_per_second"]), fmt(overhead["samples_per_second_ratio"], ".3f")],
+                    [f"the same, epochs with <= {QUIET_STEAL:.0%} CPU steal only", _quiet_cell(raypar),
+                     _quiet_cell(peer), fmt(overhead.get("quiet_samples_per_second_ratio"), ".3f")],
                     ["fixed cost, s: wall - loop time (start-up, final checkpoint, teardown)",
                      fmt(raypar["startup_s"], ".1f"), fmt(peer["startup_s"], ".1f"),
                      fmt(overhead["startup_ratio"], ".1f")],
@@ -974,6 +1010,11 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(parts) + "\n"
 
 
+def _quiet_cell(figures: dict[str, Any]) -> str:
+    quiet_figure = figures.get("samples_per_second_quiet")
+    return f"{fmt(quiet_figure)}, {len(quiet_figure['values'])} epochs" if quiet_figure else "no quiet epoch"
+
+
 def _steal_line(runs: list[dict[str, Any]] | None) -> str:
     if not runs:
         return ""
@@ -1097,24 +1138,6 @@ def machine_info() -> dict[str, Any]:
         "torch_threads_default": torch.get_num_threads(),
         "load_average_at_start": _load_average(),
     }
-
-
-def cpu_times() -> tuple[int, int] | None:
-    """All CPU time and the part stolen by the hypervisor so far, in clock ticks (Linux), else None."""
-    try:
-        with open("/proc/stat") as handle:
-            fields = [int(v) for v in handle.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    return (sum(fields), fields[7]) if len(fields) == 8 else None
-
-
-def steal_fraction(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
-    """Share of the CPU time between two ``cpu_times`` that the hypervisor gave to other guests:
-    on a shared VM it slows a run without any process here showing it."""
-    if before is None or after is None or after[0] <= before[0]:
-        return None
-    return (after[1] - before[1]) / (after[0] - before[0])
 
 
 def _load_average() -> list[float] | None:

@@ -31,6 +31,7 @@ from ray_jobs.checkpoint import (
 from ray_jobs.config import TrainConfig
 from ray_jobs.data import Dataset
 from ray_jobs.runner import record_failure
+from ray_jobs.steal import cpu_times, steal_fraction
 from ray_jobs.training import (
     build_optimizer,
     epoch_order,
@@ -76,9 +77,9 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
     first_epoch = start.epochs_completed if start else 0
     report = {"worker_nodes": nodes, "worker_node_ranks": node_ranks,
               "resumed_from_epoch": first_epoch if start else None}
-    num_samples, epoch_seconds = 0, []
+    num_samples, epoch_seconds, epoch_steal = 0, [], []
     for epoch in range(first_epoch, cfg.epochs):
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), cpu_times()
         step_losses = worker.run_epoch(epoch, crash=loop.crash_at_epoch == epoch and start is None)
         failure = non_finite_loss(step_losses, epoch)
         if failure:
@@ -88,9 +89,10 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
             return
         losses.append(sum(step_losses) / len(step_losses))
         epoch_seconds.append(time.perf_counter() - began)
+        epoch_steal.append(steal_fraction(cpu, cpu_times()))
         num_samples += len(step_losses) * cfg.batch_size
         report.update(epoch=epoch, loss=losses[-1], epochs_completed=epoch + 1, epoch_seconds=list(epoch_seconds),
-                      samples_per_second=num_samples / sum(epoch_seconds))
+                      epoch_steal=list(epoch_steal), samples_per_second=num_samples / sum(epoch_seconds))
         if worker.world_rank == 0:
             print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {losses[-1]:.6f}", flush=True)
         save = ((epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs) and worker.world_rank == 0

@@ -45,3 +45,5 @@ def test_matches_single_process_reference(
     assert record["resumed_from_epoch"] is None
     assert len(record["worker_nodes"]) == num_workers
     assert record["samples_per_second"] > 0
+    # the bench reads each epoch's CPU steal from here (None off Linux)
+    assert len(summary.extra["epoch_steal"]) == 3
