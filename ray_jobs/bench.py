@@ -220,8 +220,9 @@ def quiet(epoch_seconds: Sequence[float], epoch_steal: Sequence[float | None] | 
           samples_per_epoch: int) -> list[float]:
     """Samples/s of the ``steady`` epochs the hypervisor took at most ``QUIET_STEAL`` of the CPU
     from: what the code does when the host leaves it alone (steal is never negative noise)."""
-    timed = after_warmup(list(zip(epoch_seconds, epoch_steal or [None] * len(epoch_seconds))))
-    return [samples_per_epoch / seconds for seconds, steal in timed if steal is not None and steal <= QUIET_STEAL]
+    steal = after_warmup(epoch_steal or [None] * len(epoch_seconds))
+    rates = steady(epoch_seconds, samples_per_epoch)
+    return [sps for sps, s in zip(rates, steal) if s is not None and s <= QUIET_STEAL]
 
 
 def ratio(numerator: dict[str, Any], denominator: dict[str, Any]) -> dict[str, Any]:
@@ -519,10 +520,10 @@ class Bench:
         else:
             summary = dp.run(prepared, dp.DataParallelScaling(cpus_per_worker=float(num_workers)))
         wall = time.perf_counter() - began
-        epochs = summary.extra["epoch_seconds"]
+        epochs, samples_per_epoch = summary.extra["epoch_seconds"], self.suite.ddp.samples_per_epoch
         self._clean(prepared.run_dir)
-        return {"samples_per_second": steady(epochs, self.suite.ddp.samples_per_epoch),
-                "samples_per_second_quiet": quiet(epochs, summary.extra["epoch_steal"], self.suite.ddp.samples_per_epoch),
+        return {"samples_per_second": steady(epochs, samples_per_epoch),
+                "samples_per_second_quiet": quiet(epochs, summary.extra["epoch_steal"], samples_per_epoch),
                 "wall_s": wall,
                 "loop_s": sum(epochs), "startup_s": wall - sum(epochs), "final_loss": summary.losses[-1]}
 
@@ -697,7 +698,7 @@ class Bench:
                 "bubble_fraction": figures["bubble_fraction"],
                 "bubble_theory": gpipe_bubble(suite.num_stages, m) if schedule != "sequential" else None,
                 "bubble_schedule_measured_ops": figures["schedule_bubble"],
-                "transfer_us": figures.get("transfer_us") if schedule == "sequential" else None,
+                "transfer_us": figures.get("transfer_us"),  # measured for the sequential schedule only
                 "step_s": figures["step_s"], "critical_s": figures.get("critical_s"),
                 "bytes_per_transfer": row_bytes,
                 "time_fractions": {key: figures.get(f"{key}_fraction") for key in ("compute", "optimizer",
@@ -836,7 +837,8 @@ def render(results: dict[str, Any]) -> str:
         f"{machine['cpu_count']} CPUs, torch {machine['torch']}, ray {machine['ray']}, python {machine['python']}, "
         f"{machine['platform']}; {results['seconds']:.0f} s; load average (1/5/15 min) "
         f"{machine.get('load_average_at_start')} at start, {machine.get('load_average_at_end')} at end. "
-        f"{_steal_line(machine.get('steal_by_run'))}Figures: median (min–max) of the repetitions after a warm-up (throughput: every epoch after each "
+        f"{_steal_line(machine.get('steal_by_run'))}"
+        "Figures: median (min–max) of the repetitions after a warm-up (throughput: every epoch after each "
         "run's first; start-up: the runs); ratios: ratio of medians (least–most favourable pairing).",
     ]
     data_parallel = results.get("data_parallel")
