@@ -17,7 +17,6 @@ import dataclasses
 import json
 import os
 import platform
-import resource
 import shutil
 import statistics
 import sys
@@ -42,7 +41,7 @@ from ray_jobs.config import ArgumentParser, TrainConfig, WorkerScaling
 from ray_jobs.data import Dataset, read_dataset, synthesize, write_table
 from ray_jobs.runner import prepare
 from ray_jobs.schedules import SCHEDULES
-from ray_jobs.steal import cpu_times, steal_fraction
+from ray_jobs.readings import cpu_times, peak_rss_bytes, steal_fraction
 from ray_jobs.training import build_optimizer, epoch_order, global_batches, loss_function, shard, train_step
 
 PEER_TIMEOUT_S = 600.0
@@ -433,19 +432,6 @@ def _peer_worker(
         dist.destroy_process_group()
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory: VmHWM (reset by exec, unlike ru_maxrss), else getrusage."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
-
-
 # ---------------------------------------------------------------------------------------------
 # Data ingest, run inside a Ray worker
 
@@ -514,7 +500,7 @@ class Bench:
         if epochs is not None:
             cfg = dataclasses.replace(cfg, epochs=epochs, checkpoint_every=epochs)
         prepared = prepare(cfg, strategy)
-        began = time.perf_counter()
+        began, began_at = time.perf_counter(), time.time()  # wall clock, as the workers' first step
         if strategy == "ddp":
             summary = ddp.run(prepared, WorkerScaling(num_workers=num_workers))
         else:
@@ -524,8 +510,10 @@ class Bench:
         self._clean(prepared.run_dir)
         return {"samples_per_second": steady(epochs, samples_per_epoch),
                 "samples_per_second_quiet": quiet(epochs, summary.extra["epoch_steal"], samples_per_epoch),
-                "wall_s": wall,
-                "loop_s": sum(epochs), "startup_s": wall - sum(epochs), "final_loss": summary.losses[-1]}
+                "wall_s": wall, "loop_s": sum(epochs), "startup_s": wall - sum(epochs),
+                "first_step_s": summary.extra["first_step_at"] - began_at,
+                "after_loop_s": wall - (summary.extra["first_step_at"] - began_at) - sum(epochs),
+                "peak_rss_bytes": max(summary.extra["worker_peak_rss_bytes"]), "final_loss": summary.losses[-1]}
 
     def peer(self, work: Workload, data: str, world_size: int, num_threads: int) -> dict[str, Any]:
         cfg = self.config(work, data, f"torch{world_size}")
@@ -536,6 +524,7 @@ class Bench:
                 "samples_per_second_quiet": quiet(result.epoch_seconds, result.epoch_steal, work.samples_per_epoch),
                 "wall_s": result.wall_s, "loop_s": result.loop_s,
                 "startup_s": result.wall_s - result.loop_s, "first_step_s": result.first_step_s,
+                "after_loop_s": result.wall_s - result.first_step_s - result.loop_s,
                 "peak_rss_bytes": max(result.peak_rss_bytes), "final_loss": result.losses[-1]}
 
     def pipeline(self, schedule: str, num_microbatches: int, transport: str) -> dict[str, Any]:
@@ -643,6 +632,8 @@ class Bench:
                 "samples_per_second_ratio": ratio(ddp_main["samples_per_second"], peer["samples_per_second"]),
                 "quiet_samples_per_second_ratio": quiet_ratio(ddp_main, peer),
                 "startup_ratio": ratio(ddp_main["startup_s"], peer["startup_s"]),
+                "first_step_ratio": ratio(ddp_main["first_step_s"], peer["first_step_s"]),
+                "peak_rss_ratio": ratio(ddp_main["peak_rss_bytes"], peer["peak_rss_bytes"]),
                 "raw": {"raypar": raw[f"ddp{ddp_workers}"], "torch": raw[f"torch{ddp_workers}"]},
             },
             "scaling": {"cluster_cpus": cpus, "points": scaling,
@@ -864,11 +855,13 @@ def render(results: dict[str, Any]) -> str:
                     ["fixed cost, s: wall - loop time (start-up, final checkpoint, teardown)",
                      fmt(raypar["startup_s"], ".1f"), fmt(peer["startup_s"], ".1f"),
                      fmt(overhead["startup_ratio"], ".1f")],
-                    ["start-up, s: process start to first step", "not observable (see wall - loop)",
-                     fmt(peer["first_step_s"], ".2f"), "-"],
+                    ["start-up, s: job start to first step", fmt(raypar.get("first_step_s"), ".2f"),
+                     fmt(peer["first_step_s"], ".2f"), fmt(overhead.get("first_step_ratio"), ".1f")],
+                    ["the rest, s: wall - start-up - loop (between epochs, final checkpoint, teardown)",
+                     fmt(raypar.get("after_loop_s"), ".2f"), fmt(peer.get("after_loop_s"), ".2f"), "-"],
                     ["total wall, s", fmt(raypar["wall_s"], ".1f"), fmt(peer["wall_s"], ".1f"), "-"],
-                    ["peak RSS per worker, MiB", "not reported by the loop",
-                     fmt(peer["peak_rss_bytes"], ".0f", 1 / MIB), "-"],
+                    ["peak RSS per worker (the largest), MiB", fmt(raypar.get("peak_rss_bytes"), ".0f", 1 / MIB),
+                     fmt(peer["peak_rss_bytes"], ".0f", 1 / MIB), fmt(overhead.get("peak_rss_ratio"), ".2f")],
                     ["CPU steal by the hypervisor, share of each run", fmt(raypar.get("steal_fraction"), ".1%"),
                      fmt(peer.get("steal_fraction"), ".1%"), "-"],
                 ],

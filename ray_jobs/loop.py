@@ -31,7 +31,7 @@ from ray_jobs.checkpoint import (
 from ray_jobs.config import TrainConfig
 from ray_jobs.data import Dataset
 from ray_jobs.runner import record_failure
-from ray_jobs.steal import cpu_times, steal_fraction
+from ray_jobs.readings import cpu_times, peak_rss_bytes, steal_fraction
 from ray_jobs.training import (
     build_optimizer,
     epoch_order,
@@ -72,7 +72,8 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
     optimizer = build_optimizer(model.parameters(), cfg)
     start = _restore(loop.run_dir, model, optimizer)
     worker = _Worker(loop, cfg, dataset, device, loop.wrap(model, device), optimizer, ctx)
-    nodes, node_ranks = _gather_nodes(ctx.get_world_size(), ctx.get_node_rank())
+    mine = (ray.get_runtime_context().get_node_id(), ctx.get_node_rank())
+    nodes, node_ranks = (list(column) for column in zip(*_gather(mine, ctx.get_world_size())))
     losses = list(start.losses) if start else []
     first_epoch = start.epochs_completed if start else 0
     report = {"worker_nodes": nodes, "worker_node_ranks": node_ranks,
@@ -92,7 +93,9 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
         epoch_steal.append(steal_fraction(cpu, cpu_times()))
         num_samples += len(step_losses) * cfg.batch_size
         report.update(epoch=epoch, loss=losses[-1], epochs_completed=epoch + 1, epoch_seconds=list(epoch_seconds),
-                      epoch_steal=list(epoch_steal), samples_per_second=num_samples / sum(epoch_seconds))
+                      epoch_steal=list(epoch_steal), samples_per_second=num_samples / sum(epoch_seconds),
+                      first_step_at=worker.first_step_at,
+                      worker_peak_rss_bytes=_gather(peak_rss_bytes(), worker.world_size))
         if worker.world_rank == 0:
             print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {losses[-1]:.6f}", flush=True)
         save = ((epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs) and worker.world_rank == 0
@@ -108,6 +111,7 @@ class _Worker:
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_function(dataset.task)
         self.world_rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
         self.features, self.targets = (tensor.to(device) for tensor in dataset.tensors())
+        self.first_step_at: float | None = None  # wall clock, comparable with the driver's
 
     def run_epoch(self, epoch: int, crash: bool = False) -> list[float]:
         """Train one epoch; returns every step's global-batch loss, the same on every rank."""
@@ -115,6 +119,8 @@ class _Worker:
         batches = global_batches(epoch_order(self.num_rows, cfg.seed, epoch, cfg.shuffle), cfg.batch_size)
         step_losses = torch.zeros(len(batches), device=self.device)
         for step, batch in enumerate(batches):
+            if self.first_step_at is None:
+                self.first_step_at = time.time()
             rows = shard(batch, self.world_size, self.world_rank).to(self.device)
             step_losses[step] = train_step(self.model, self.optimizer, self.loss_fn, self.features[rows],
                                            self.targets[rows])
@@ -156,13 +162,12 @@ def _mean_over_workers(value: torch.Tensor, world_size: int) -> torch.Tensor:
     return value
 
 
-def _gather_nodes(world_size: int, node_rank: int) -> tuple[list[str], list[int]]:
-    """The Ray node id and Train node rank of every world rank, in world-rank order."""
-    mine = (ray.get_runtime_context().get_node_id(), node_rank)
+def _gather(mine: Any, world_size: int) -> list[Any]:
+    """Every world rank's ``mine``, in world-rank order (world rank 0 reports them)."""
     gathered = [mine] * world_size
     if world_size > 1:
         dist.all_gather_object(gathered, mine)
-    return [node for node, _ in gathered], [rank for _, rank in gathered]
+    return gathered
 
 
 def _quiet_report_logs() -> None:

@@ -80,8 +80,8 @@ def run_workers(
     # The same source resume uses: Ray's result can lack a checkpoint it never registered.
     final = latest_checkpoint(prepared.run_dir)
     metrics = result.metrics or {}
-    extra = {"worker_node_ranks": metrics.get("worker_node_ranks"), "epoch_seconds": metrics.get("epoch_seconds"),
-             "epoch_steal": metrics.get("epoch_steal")}
+    extra = {key: metrics.get(key) for key in ("worker_node_ranks", "epoch_seconds", "epoch_steal", "first_step_at",
+                                                "worker_peak_rss_bytes")}
     return finish(prepared, final, metrics, scaling.num_workers, {"scaling": asdict(scaling)}, extra)
 
 

@@ -28,7 +28,7 @@ from ray_jobs.bench import (
 from models import build_model
 from ray_jobs.config import TrainConfig
 from ray_jobs.data import read_dataset
-from ray_jobs.steal import cpu_times, steal_fraction
+from ray_jobs.readings import cpu_times, steal_fraction
 from tests.helpers import assert_same_weights, reference_for
 
 

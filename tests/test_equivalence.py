@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -45,5 +46,9 @@ def test_matches_single_process_reference(
     assert record["resumed_from_epoch"] is None
     assert len(record["worker_nodes"]) == num_workers
     assert record["samples_per_second"] > 0
-    # the bench reads each epoch's CPU steal from here (None off Linux)
+    # the bench reads each epoch's CPU steal (None off Linux), the first step's wall-clock time
+    # and every worker's peak RSS from here
     assert len(summary.extra["epoch_steal"]) == 3
+    assert 0 < summary.extra["first_step_at"] <= time.time()
+    rss = summary.extra["worker_peak_rss_bytes"]
+    assert len(rss) == num_workers and min(rss) > 10 * 2**20  # a torch process is far above 10 MiB
