@@ -531,10 +531,9 @@ class Bench:
         from ray_jobs import pipeline
 
         cfg = self.config(self.suite.pipeline, self.pipeline_data, f"pipe-{schedule}-{num_microbatches}-{transport}")
-        links = "gloo" if transport == "p2p_gloo" else "auto"
         scaling = pipeline.PipelineScaling(num_stages=self.suite.num_stages, num_microbatches=num_microbatches,
-                                           schedule=schedule, transport=transport.removesuffix("_gloo"),
-                                           p2p_links=links, cpus_per_stage=float(THREADS_PER_STAGE))
+                                           schedule=schedule, transport=transport,
+                                           cpus_per_stage=float(THREADS_PER_STAGE))
         prepared = prepare(cfg, "pipeline")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*the pipeline can never fill.*")
@@ -554,10 +553,6 @@ class Bench:
         for key in ("compute", "optimizer", "receive_wait"):
             result[f"{key}_fraction"] = [f.get(key, 0.0) for _, f in timed]
         result["schedule_bubble"] = [f["schedule_bubble"] for _, f in timed]
-        busy = [[c + o for c, o in zip(f["compute_by_stage"], f["optimizer_by_stage"])] for _, f in timed]
-        # The busiest stage sets the pace; the others' extra idle time is the cut's imbalance.
-        result["busiest_stage_bubble"] = [1.0 - max(stages) for stages in busy]
-        result["stage_imbalance"] = [max(stages) / min(stages) for stages in busy]
         return result
 
     def ingest(self) -> dict[str, Any]:
@@ -670,8 +665,8 @@ class Bench:
                               lambda: self.peer(work, self.pipeline_data, 1, THREADS_PER_STAGE))
             for config in configs:
                 schedule, m, transport = config
-                headline = m == suite.target_microbatches and transport in HEADLINE_TRANSPORTS
-                if rep >= (suite.pipeline_target_repetitions if headline else suite.pipeline_repetitions):
+                judged = m == suite.target_microbatches and transport == PIPELINE_TRANSPORT
+                if rep >= (suite.pipeline_target_repetitions if judged else suite.pipeline_repetitions):
                     continue
                 self._measure(raw[config], f"pipeline S={suite.num_stages} M={m} {schedule} {transport}", rep,
                               lambda config=config: self.pipeline(*config))
@@ -694,8 +689,6 @@ class Bench:
                 "bubble_fraction": figures["bubble_fraction"],
                 "bubble_theory": gpipe_bubble(suite.num_stages, m) if schedule != "sequential" else None,
                 "bubble_schedule_measured_ops": figures["schedule_bubble"],
-                "bubble_busiest_stage": figures["busiest_stage_bubble"],
-                "stage_imbalance": figures["stage_imbalance"],
                 "transfer_us": figures.get("transfer_us"),  # measured for the sequential schedule only
                 "step_s": figures["step_s"], "critical_s": figures.get("critical_s"),
                 "bytes_per_transfer": row_bytes,
@@ -750,9 +743,7 @@ class Bench:
 CASES = ("data_parallel", "pipeline", "ingest")
 PIPELINE_SCHEDULES = ("sequential", "gpipe", "1f1b")
 PIPELINE_TRANSPORT = "p2p"  # raypar's default (auto); the sweep's transport
-# Compared with it at a few configurations; p2p_gloo: p2p with --p2p-links gloo, as between nodes.
-OTHER_TRANSPORTS = ("p2p_gloo", "compiled", "actor_calls")
-HEADLINE_TRANSPORTS = (PIPELINE_TRANSPORT, "p2p_gloo")  # run as often as the judged configurations
+OTHER_TRANSPORTS = ("compiled", "actor_calls")  # compared with it at a few configurations
 
 
 def same_ops_as(schedule: str, num_stages: int, num_microbatches: int) -> str:
@@ -925,24 +916,19 @@ def render(results: dict[str, Any]) -> str:
             ),
             "", f"### Where the stages' time goes (M={pipe['target_microbatches']})", "",
             "Shares of wall x S; `other`: dispatch, send calls and Python between ops (and, for "
-            "the compiled graph and actor calls, waiting, which only p2p measures apart). `schedule, measured "
+            "transports other than p2p, waiting, which only p2p measures apart). `schedule, measured "
             "ops`: the bubble of the schedule replayed with every op's and optimizer step's measured "
             "duration and instant transfers. Its gap to the equal-stage theory is the stages' imbalance "
             "and ops slowed by the CPU (here: two busy cores slow each other's matmuls); its gap to "
-            "the measured bubble is raypar's own cost (transfers, wake-ups, dispatch). `busiest stage`: "
-            "the idle share of the stage with the most compute, which sets the pace; `imbalance`: its "
-            "compute over the least busy stage's. A busiest-stage bubble near the theory with a larger "
-            "mean bubble means the others idle because the cut is uneven, not because of the schedule "
-            "or the transport.",
+            "the measured bubble is raypar's own cost (transfers, wake-ups, dispatch).",
             "",
             markdown_table(
                 ["schedule", "transport", "compute", "optimizer", "receive wait", "other", "bubble",
-                 "theory, equal stages", "schedule, measured ops", "busiest stage", "imbalance"],
+                 "theory, equal stages", "schedule, measured ops"],
                 [[r["schedule"], r["transport"], *_time_shares(r),
                   fmt(r["bubble_fraction"], ".3f"),
                   f"{r['bubble_theory']:.3f}" if r["bubble_theory"] is not None else "-",
-                  fmt(r["bubble_schedule_measured_ops"], ".3f"), fmt(r.get("bubble_busiest_stage"), ".3f"),
-                  fmt(r.get("stage_imbalance"), ".2f")]
+                  fmt(r["bubble_schedule_measured_ops"], ".3f")]
                  for r in pipe["configs"]
                  if r["num_microbatches"] == pipe["target_microbatches"] and not r["same_ops_as"]],
             ),
@@ -965,10 +951,8 @@ def render(results: dict[str, Any]) -> str:
         if pipe["transports"]:
             parts += [
                 "", "### Transports", "",
-                f"`{PIPELINE_TRANSPORT}` (the default): the stage actors send to each other directly, one "
-                "actor call per stage per few batches (`--batches-per-call`), through shared memory between "
-                "stages on one node; `p2p_gloo`: the same over torch.distributed (gloo) send/recv, as between "
-                "nodes (`--p2p-links gloo`); `compiled`: a Ray Compiled Graph, one node per op; "
+                f"`{PIPELINE_TRANSPORT}` (the default): torch.distributed send/recv between the stage actors, one "
+                "actor call per stage per few batches (`--batches-per-call`); `compiled`: a Ray Compiled Graph, one node per op; "
                 "`actor_calls`: one Ray actor call per op, activations as object references.",
                 "",
                 markdown_table(

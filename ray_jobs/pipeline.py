@@ -3,10 +3,9 @@
 The model is cut into S stages (``models.split_into_stages``), each a Ray actor with its own
 GPU (or CPUs), placed with one placement-group bundle per stage. Each global batch is cut into
 M micro-batches; activations flow forward and gradients back between the actors, never through
-the driver, in the order a schedule (GPipe or 1F1B) gives: sent by the stages themselves
-(``p2p``: one actor call per stage per few batches; shared memory on one node, gloo between
-nodes, ``ray_jobs.links``), over a Ray Compiled Graph (``compiled``: nccl channels between
-GPUs), or by one actor call per op with object references (``actor_calls``).
+the driver, in the order a schedule (GPipe or 1F1B) gives: over torch.distributed send/recv
+(``p2p``: one actor call per stage per few batches), a Ray Compiled Graph (``compiled``: nccl
+channels between GPUs), or one actor call per op with object references (``actor_calls``).
 """
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 import ray
 import torch
 from ray.dag import InputNode, MultiOutputNode
-from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayChannelTimeoutError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayChannelTimeoutError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -32,8 +31,7 @@ from ray_jobs.config import PLACEMENT_STRATEGIES, TrainConfig, flag_doc, require
 from ray_jobs.preflight import wait_for_bundles
 from ray_jobs.runner import PreparedRun, finish, record_failure
 from ray_jobs.schedules import BACKWARD, FORWARD, SCHEDULES, execution_order, replayed_bubble
-from ray_jobs.links import PeerLost, new_token
-from ray_jobs.stage import StageWorker
+from ray_jobs.stage import PeerLost, StageWorker
 from ray_jobs.summary import TrainSummary
 from ray_jobs.train_workers import TrainingFailed
 from ray_jobs.training import epoch_order, global_batches, microbatches, non_finite_loss
@@ -45,7 +43,6 @@ PROBE_TIMEOUT_S = 10.0  # how long a failed pipeline waits for its stages to ans
 # activations, the overlap is the same.
 MAX_INFLIGHT_CALLS = 2
 TRANSPORTS = ("auto", "p2p", "compiled", "actor_calls")
-P2P_LINKS = ("auto", "gloo")
 # What a dead stage looks like to the driver, through any transport (p2p: a peer's send or
 # receive fails before Ray reports the dead actor).
 STAGE_FAILURES = (RayActorError, RayChannelError, PeerLost)
@@ -65,17 +62,12 @@ class PipelineScaling:
     )
     transport: str = field(
         default="auto",
-        metadata=flag_doc("p2p: the stages send to each other (see --p2p-links), one actor call per "
+        metadata=flag_doc("p2p: torch.distributed (gloo) send/recv between the stages, one actor call per "
                       "stage per --batches-per-call batches, tensors through host memory; compiled: a Ray Compiled Graph (nccl "
                       "between GPUs); actor_calls: one actor call per op; auto: compiled for GPU stages on "
                       "one node, else p2p", choices=TRANSPORTS),
     )
-    p2p_links: str = field(
-        default="auto",
-        metadata=flag_doc("p2p: how neighbouring stages exchange tensors; auto: shared memory (/dev/shm) "
-                          "between stages on one node, gloo between nodes; gloo: gloo everywhere",
-                          choices=P2P_LINKS),
-    )
+
     batch_timeout_s: float = field(
         default=600.0, metadata=flag_doc("fail the run when one global batch takes longer than this (s)")
     )
@@ -90,7 +82,6 @@ class PipelineScaling:
         require(self.batch_timeout_s > 0, "batch_timeout_s", self.batch_timeout_s, "positive")
         require(self.batches_per_call >= 1, "batches_per_call", self.batches_per_call, "at least 1")
         require_choice(self.transport, TRANSPORTS, "transport")
-        require_choice(self.p2p_links, P2P_LINKS, "p2p_links")
         require(self.num_stages >= 1, "num_stages", self.num_stages, "at least 1")
         require(self.num_microbatches >= 1, "num_microbatches", self.num_microbatches, "at least 1")
         require(self.cpus_per_stage > 0, "cpus_per_stage", self.cpus_per_stage, "positive")
@@ -137,7 +128,8 @@ class Pipeline:
         if self.requested == "actor_calls":
             return "actor_calls", None
         if self.requested == "p2p":
-            return self._connect_p2p(), None
+            self._join_group()
+            return "p2p_gloo", None
         if len(set(self.nodes)) > 1:
             # Measured on Ray 2.60 (local multi-node cluster): compiled-graph channels between
             # nodes never delivered and the run hung.
@@ -149,42 +141,10 @@ class Pipeline:
         except Exception as error:  # Ray raises several types for graphs it cannot compile
             raise TrainingFailed(f"--transport compiled: the compiled graph failed to build: {error}") from error
 
-    def _connect_p2p(self) -> str:
-        """Neighbouring stages on one node share memory; the others join a gloo group.
-        Returns the transport's name."""
-        shared = self._shared_pairs()
-        peers = [[p for p in (s - 1, s + 1) if min(s, p) in shared] for s in range(len(self.actors))]
-        timeout = self.scaling.batch_timeout_s
-        if len(shared) < len(self.actors) - 1:
-            self._join_group(timeout)
-        if shared:
-            self._open_shared_links(peers, timeout)
-        ray.get([a.use_schedule.remote(self.scaling.schedule, p) for a, p in zip(self.actors, peers)])
-        if not shared:
-            return "p2p_gloo"
-        return "p2p_shm" if len(shared) == len(self.actors) - 1 else "p2p_shm_gloo"
-
-    def _shared_pairs(self) -> list[int]:
-        """``s`` for each pair of neighbours (s, s+1) that will share memory."""
-        if self.scaling.p2p_links == "gloo":
-            return []
-        can_share = ray.get([actor.can_share_memory.remote() for actor in self.actors])
-        return [s for s in range(len(self.actors) - 1)
-                if self.nodes[s] == self.nodes[s + 1] and can_share[s] and can_share[s + 1]]
-
-    def _open_shared_links(self, peers: list[list[int]], timeout: float) -> None:
-        token = new_token()
-        try:
-            # Every segment exists before any stage opens its neighbour's.
-            _get_failing_fast([a.open_incoming.remote(token, p, timeout) for a, p in zip(self.actors, peers)], timeout)
-            _get_failing_fast([a.open_outgoing.remote(token, p) for a, p in zip(self.actors, peers)], timeout)
-        except RayTaskError as error:
-            raise TrainingFailed(f"the stages' shared-memory links did not open ({error.cause!r}); "
-                                 "--p2p-links gloo does without them") from None
-
-    def _join_group(self, timeout: float) -> None:
+    def _join_group(self) -> None:
         address = ray.get(self.actors[0].rendezvous_address.remote())
-        joins = [actor.join_group.remote(address, timeout) for actor in self.actors]
+        timeout = self.scaling.batch_timeout_s
+        joins = [actor.join_group.remote(address, self.scaling.schedule, timeout) for actor in self.actors]
         try:
             # Failing fast: a stage that cannot join must not leave the others waiting out the timeout.
             _get_failing_fast(joins, timeout)
@@ -211,7 +171,7 @@ class Pipeline:
         its forward of batch k+1 still comes after its own optimizer step of batch k, and
         the result is the same as running the batches one by one, without the flush between.
         """
-        size = self.scaling.batches_per_call if self.transport.startswith("p2p") else 1
+        size = self.scaling.batches_per_call if self.transport == "p2p_gloo" else 1
         pending: deque = deque()
         losses: list[float] = []
         for start in range(0, len(batches), size):
@@ -226,7 +186,7 @@ class Pipeline:
 
     def _submit(self, chunk: list):
         """One actor call per stage for the chunk's batches (p2p), else its one batch."""
-        if self.transport.startswith("p2p"):
+        if self.transport == "p2p_gloo":
             rows = torch.stack(chunk)
             return [actor.run_batches.remote(rows) for actor in self.actors]
         (batch,) = chunk
@@ -256,7 +216,7 @@ class Pipeline:
         try:
             if self.compiled is not None:
                 losses = [ray.get(handle, timeout=timeout)[-1]]
-            elif self.transport.startswith("p2p"):
+            elif self.transport == "p2p_gloo":
                 losses = _get_failing_fast(handle, timeout)[-1]
             else:
                 losses = [_get_failing_fast(handle, timeout)[-1]]

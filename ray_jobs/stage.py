@@ -10,6 +10,7 @@ import datetime
 import os
 import socket
 import time
+from collections import deque
 from typing import Any
 
 import ray
@@ -20,9 +21,12 @@ from models import build_model, split_into_stages
 from ray_jobs.checkpoint import TrainState, load_named_optimizer_state, named_optimizer_state
 from ray_jobs.config import TrainConfig
 from ray_jobs.data import Dataset
-from ray_jobs.links import GlooLinks, PeerLost, Receive, SharedMemoryLinks, shared_memory_room, slot_bytes
 from ray_jobs.schedules import FORWARD, SCHEDULES
 from ray_jobs.training import build_optimizer, loss_function, microbatches
+
+# Receives posted ahead of need (p2p transport); more only holds more buffers.
+RECEIVES_AHEAD = 2
+
 
 class StageWorker:
     def __init__(
@@ -46,7 +50,6 @@ class StageWorker:
         self.stage_index, self.num_stages = stage_index, num_stages
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.num_microbatches = num_microbatches
-        self.rows_per_microbatch = cfg.batch_size // num_microbatches
         model = build_model(cfg.model, dataset.in_features, dataset.out_features, **cfg.model_options)
         model.load_state_dict(initial_state)
         stages = split_into_stages(model, num_stages)
@@ -61,7 +64,6 @@ class StageWorker:
         self.alive: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.loss_sum = torch.zeros(())
         self.timing = _new_timing()
-        self.shared: SharedMemoryLinks | None = None
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -116,13 +118,7 @@ class StageWorker:
         loss, self.loss_sum = self.loss_sum.item() / self.num_microbatches, torch.zeros(())
         return loss
 
-    # --- p2p transport: the stage actors send to each other directly (ray_jobs.links) ---
-
-    def can_share_memory(self) -> bool:
-        """Whether this node's shared memory has room for the links from both neighbours (a
-        stage creates the segments it receives on)."""
-        incoming = sum(self._slot_bytes(peer) * self.num_microbatches for peer in self._neighbours())
-        return not self.device_transport and shared_memory_room(incoming)
+    # --- p2p transport: torch.distributed send/recv between the stage actors themselves ---
 
     def rendezvous_address(self) -> str:
         """A ``tcp://`` address on this actor's node for the stages' process group (stage 0 only)."""
@@ -133,35 +129,12 @@ class StageWorker:
             probe.bind((ip, 0))
             return f"tcp://{ip}:{probe.getsockname()[1]}"
 
-    def join_group(self, address: str, timeout_s: float) -> None:
+    def join_group(self, address: str, schedule: str, timeout_s: float) -> None:
         """Join the stages' gloo process group; ``timeout_s`` bounds every receive, so a stage
         whose peer died fails instead of waiting for ever."""
         dist.init_process_group("gloo", init_method=address, rank=self.stage_index, world_size=self.num_stages,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-
-    def open_incoming(self, token: str, shared_peers: list[int], timeout_s: float) -> None:
-        """Create the shared-memory links the neighbours in ``shared_peers`` will send on;
-        ``timeout_s`` bounds every receive, as gloo's does."""
-        self.shared = SharedMemoryLinks(timeout_s)
-        for peer in shared_peers:
-            self.shared.open_incoming(token, self.stage_index, peer, self.num_microbatches, self._slot_bytes(peer))
-
-    def open_outgoing(self, token: str, shared_peers: list[int]) -> None:
-        for peer in shared_peers:
-            self.shared.open_outgoing(token, self.stage_index, peer, self._slot_bytes(peer))
-
-    def use_schedule(self, schedule: str, shared_peers: list[int]) -> None:
-        """Run ``schedule``; neighbours in ``shared_peers`` over shared memory, the others over gloo."""
         self.ops = SCHEDULES[schedule](self.num_stages, self.num_microbatches)[self.stage_index]
-        gloo = GlooLinks()
-        self.links = {peer: self.shared if peer in shared_peers else gloo for peer in self._neighbours()}
-
-    def _neighbours(self) -> list[int]:
-        return [peer for peer in (self.stage_index - 1, self.stage_index + 1) if 0 <= peer < self.num_stages]
-
-    def _slot_bytes(self, peer: int) -> int:
-        shape, dtype = self.boundary_shapes[min(peer, self.stage_index)]  # the cut between the two
-        return slot_bytes(self.rows_per_microbatch, shape, dtype)
 
     def run_batches(self, batches: torch.Tensor) -> list[float]:
         """Several global batches in one actor call, one after another; returns each batch's
@@ -169,43 +142,60 @@ class StageWorker:
         dispatch gap between batches (measured ~7 ms here) that every stage waits through;
         one tensor instead of a tensor per micro-batch because Ray pickles each tensor
         separately (measured: 64 of them took ~25 ms to submit)."""
-        try:
-            return [self.run_batch(microbatches(batch, self.num_microbatches)) for batch in batches]
-        except PeerLost as error:
-            raise PeerLost(f"stage {self.stage_index}: {error}") from None
+        return [self.run_batch(microbatches(batch, self.num_microbatches)) for batch in batches]
 
     def run_batch(self, rows: list[torch.Tensor]) -> float:
-        """One global batch: this stage's ops in schedule order, then the optimizer step."""
-        receives = [self._planned_receive(op, rows) for op in self.ops if self._needs_input(op)]
-        links = list(dict.fromkeys(self.links.values()))
-        for link in links:
-            link.start_batch([planned for planned in receives if self.links[planned.peer] is link])
+        """One global batch: this stage's ops in schedule order, then the optimizer step.
+
+        Sends are asynchronous and waited on only at the end, so no two stages can block
+        sending to each other. Receives are posted ``RECEIVES_AHEAD`` ops early: gloo moves a
+        message only once its receive is posted, so a receive posted at the moment of need
+        pays a round trip through both peers' I/O threads (which compete with compute for the
+        CPU) on the pipeline's critical path.
+        """
+        sends = []  # (work, tensor): the tensor must outlive its asynchronous send
+        receives = deque(op for op in self.ops if self._needs_input(op))
+        posted: deque = deque()
         for op in self.ops:
             m, forward = op.microbatch, op.kind == FORWARD
             received = None
             if self._needs_input(op):
-                received, waited = self.links[self._peer(op, receiving=True)].receive(op)
-                self.timing["receive_wait_s"] += waited
+                while receives and len(posted) < RECEIVES_AHEAD:
+                    posted.append(self._post_receive(receives.popleft(), rows))
+                received = self._wait_receive(op, *posted.popleft())
             out = self.forward(m, received, rows[m]) if forward else self.backward(m, received)
             if out is not None:
-                peer = self._peer(op, receiving=False)
-                self.links[peer].send(out, peer, _tag(op, self.num_microbatches))
-        for link in links:
-            link.finish_batch()
+                peer = self.stage_index + (1 if forward else -1)
+                sends.append((self._gloo(dist.isend, out, peer, tag=_tag(op, self.num_microbatches)), out))
+        for work, _ in sends:
+            self._gloo(work.wait)
         return self.step()
+
+    def _gloo(self, call, *args, **kwargs):
+        """A send, receive or wait; its failure means a peer died or timed out. gloo raises
+        ``DistBackendError`` or a plain ``RuntimeError`` (both seen), so only these calls are
+        wrapped: a RuntimeError from compute is a bug, not a lost peer."""
+        try:
+            return call(*args, **kwargs)
+        except RuntimeError as error:
+            raise PeerLost(f"stage {self.stage_index}: {str(error).splitlines()[0] if str(error) else error!r}") from None
 
     def _needs_input(self, op) -> bool:
         return not self.is_first if op.kind == FORWARD else not self.is_last
 
-    def _peer(self, op, receiving: bool) -> int:
-        # Activations come from the stage before and go to the one after; gradients the other way.
-        upstream = (op.kind == FORWARD) == receiving
-        return self.stage_index + (-1 if upstream else 1)
+    def _post_receive(self, op, rows: list[torch.Tensor]):
+        peer = self.stage_index + (-1 if op.kind == FORWARD else 1)
+        shape, dtype = self.boundary_shapes[min(peer, self.stage_index)]  # the cut between the two
+        buffer = torch.empty((len(rows[op.microbatch]), *shape), dtype=dtype)  # gloo: host memory
+        return op, self._gloo(dist.irecv, buffer, peer, tag=_tag(op, self.num_microbatches)), buffer
 
-    def _planned_receive(self, op, rows: list[torch.Tensor]) -> Receive:
-        peer = self._peer(op, receiving=True)
-        shape, dtype = self.boundary_shapes[min(peer, self.stage_index)]
-        return Receive(op, peer, (len(rows[op.microbatch]), *shape), dtype, _tag(op, self.num_microbatches))
+    def _wait_receive(self, op, posted_op, work, buffer: torch.Tensor) -> torch.Tensor:
+        if posted_op != op:
+            raise RuntimeError(f"stage {self.stage_index}: receive for {posted_op} posted, {op} needed")
+        began = time.perf_counter()
+        self._gloo(work.wait)
+        self.timing["receive_wait_s"] += time.perf_counter() - began
+        return buffer
 
     def take_timing(self) -> dict[str, float]:
         """Seconds in forward/backward compute, in the optimizer, blocked on p2p receives, the
@@ -230,6 +220,10 @@ class StageWorker:
 def _new_timing() -> dict[str, float]:
     return {"compute_s": 0.0, "optimizer_s": 0.0, "receive_wait_s": 0.0, "peak_live_microbatches": 0,
             "op_seconds": [], "step_seconds": []}
+
+
+class PeerLost(RuntimeError):
+    """A p2p send or receive failed: the peer stage died or timed out."""
 
 
 def _tag(op, num_microbatches: int) -> int:

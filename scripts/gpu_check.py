@@ -66,7 +66,7 @@ def main() -> int:
         ("ddp", "ddp (nccl)", lambda c: ddp.run(prepare(c, "ddp"), WorkerScaling(num_workers=num_gpus, use_gpu=True))),
         ("dp", "dp (all GPUs)", lambda c: dp.run(prepare(c, "dp"), dp.DataParallelScaling(gpus=num_gpus))),
         ("pipe-compiled", f"pipeline S={stages} (compiled, nccl)", pipe("compiled")),
-        ("pipe-p2p", f"pipeline S={stages} (p2p, host memory)", pipe("p2p")),
+        ("pipe-p2p", f"pipeline S={stages} (p2p, gloo)", pipe("p2p")),
     ]
     rows, failed = [], False
     for name, label, run in runs:

@@ -261,13 +261,8 @@ def test_the_smoke_suite_runs_every_case_end_to_end(ray_cluster, tmp_path):
     pipe = results["pipeline"]
     assert {(r["schedule"], r["num_microbatches"], r["transport_requested"]) for r in pipe["configs"]} == {
         (s, m, "p2p") for s in ("sequential", "gpipe", "1f1b") for m in (1, 4)
-    } | {("gpipe", 4, "p2p_gloo"), ("gpipe", 4, "compiled"), ("gpipe", 4, "actor_calls")}
-    # One node: the default p2p shares memory; p2p_gloo is the same over gloo, as between nodes.
-    assert {r["transport_requested"]: r["transport"] for r in pipe["configs"]}["p2p"] == "p2p_shm"
-    assert {r["transport_requested"]: r["transport"] for r in pipe["configs"]}["p2p_gloo"] == "p2p_gloo"
+    } | {("gpipe", 4, "compiled"), ("gpipe", 4, "actor_calls")}
     for row in pipe["configs"]:
         assert row["samples_per_second"]["median"] > 0
         assert 0 <= row["bubble_fraction"]["median"] <= 1
-        assert 0 <= row["bubble_busiest_stage"]["median"] <= row["bubble_fraction"]["max"] + 1e-9
-        assert row["stage_imbalance"]["median"] >= 1
     assert results["ingest"]["ingest_over_training"]["median"] > 0

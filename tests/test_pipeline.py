@@ -21,29 +21,18 @@ MODELS = {
     "mlp-4": ({"model": "mlp", "hidden": 12, "depth": 5}, 4),
 }
 CASES = [
-    # p2p, the default transport (shared-memory links on this one node): every model (S = 2,
-    # 3, 4) and schedule, micro-batches interleaved
+    # p2p, the default transport: every model (S = 2, 3, 4) and schedule, micro-batches interleaved
     (model, schedule, 4, True, "p2p") for model in MODELS for schedule in ("gpipe", "1f1b")
 ] + [
     ("seed-split", "gpipe", 1, False, "p2p"),  # M=1 < S: the pipeline never fills
     ("mlp-3", "sequential", 4, False, "p2p"),
-    # p2p over gloo links, as between nodes
-    ("mlp-4", "1f1b", 4, True, "p2p+gloo"),
-    ("mlp-3", "gpipe", 2, False, "p2p+gloo"),
     # the other transports: the same arithmetic over another path
     ("mlp-3", "gpipe", 2, False, "actor_calls"),
     ("mlp-4", "1f1b", 2, True, "actor_calls"),
     ("mlp-3", "1f1b", 4, True, "compiled"),
     ("mlp-4", "gpipe", 4, False, "compiled"),
 ]
-TRANSPORT_NAMES = {"p2p": "p2p_shm", "p2p+gloo": "p2p_gloo", "compiled": "compiled_graph",
-                   "actor_calls": "actor_calls"}
-
-
-def pipeline_scaling(transport: str, **options) -> PipelineScaling:
-    """``transport``: a --transport choice, or ``p2p+gloo`` for p2p with --p2p-links gloo."""
-    transport, _, links = transport.partition("+")
-    return PipelineScaling(transport=transport, p2p_links=links or "auto", **options)
+TRANSPORT_NAMES = {"p2p": "p2p_gloo", "compiled": "compiled_graph", "actor_calls": "actor_calls"}
 
 
 @pytest.fixture
@@ -56,7 +45,8 @@ def base(regression_data, tmp_path) -> TrainConfig:
 def test_matches_single_process_reference(ray_cluster, base, model, schedule, num_microbatches, shuffle, transport):
     options, num_stages = MODELS[model]
     cfg = with_(base, shuffle=shuffle, **options)
-    scaling = pipeline_scaling(transport, num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule)
+    scaling = PipelineScaling(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule,
+                              transport=transport)
     summary = run_strategy("pipeline", cfg, scaling=scaling)
     expected_weights, expected_losses = reference_for(cfg)
     # Micro-batch gradients are summed (each loss divided by M) instead of taken from one
@@ -102,10 +92,10 @@ def test_ddp_checkpoint_seeds_a_pipeline_and_pipeline_weights_load_into_the_mode
     assert ddp_summary.epochs_completed == 2
 
 
-@pytest.mark.parametrize("transport", ["p2p", "p2p+gloo", "compiled", "actor_calls"])
+@pytest.mark.parametrize("transport", ["p2p", "compiled", "actor_calls"])
 def test_killed_stage_resumes_from_checkpoint_with_reference_weights(ray_cluster, base, transport):
     cfg = with_(base, model="mlp", hidden=8, depth=3, epochs=3, max_failures=1)
-    scaling = pipeline_scaling(transport, num_stages=3, num_microbatches=2)
+    scaling = PipelineScaling(num_stages=3, num_microbatches=2, transport=transport)
     summary = run_strategy("pipeline", cfg, scaling=scaling, crash_at_epoch=1)
     assert summary.resumed_from_epoch == 1
     assert_same_weights(load_weights(summary.run_dir), reference_for(cfg)[0])
