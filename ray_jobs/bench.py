@@ -267,6 +267,14 @@ def sequential_critical_fraction(fractions: dict[str, Any]) -> float:
     return sum(fractions["compute_by_stage"]) + fractions["optimizer_by_stage"][0]
 
 
+def stage_balance(fractions: dict[str, Any]) -> tuple[float, float]:
+    """The idle share of the busiest stage (the most compute and optimizer time), which sets the
+    pace, and its busy time over the least busy stage's. With uneven stages the others idle more
+    than the schedule alone makes them: the mean bubble's excess over the busiest stage's."""
+    busy = [c + o for c, o in zip(fractions["compute_by_stage"], fractions["optimizer_by_stage"])]
+    return 1.0 - max(busy), max(busy) / min(busy)
+
+
 def target(name: str, measured: dict[str, Any] | None, goal: str, met: Callable[[float], bool], unit: str = "") -> dict:
     """A target judged on the median and the range around it: ``met`` or ``missed`` only when
     the median, min and max agree, else ``within noise`` (a median of 1.65x whose range is
@@ -553,6 +561,9 @@ class Bench:
         for key in ("compute", "optimizer", "receive_wait"):
             result[f"{key}_fraction"] = [f.get(key, 0.0) for _, f in timed]
         result["schedule_bubble"] = [f["schedule_bubble"] for _, f in timed]
+        balance = [stage_balance(f) for _, f in timed]
+        result["busiest_stage_bubble"] = [bubble for bubble, _ in balance]
+        result["stage_imbalance"] = [imbalance for _, imbalance in balance]
         return result
 
     def ingest(self) -> dict[str, Any]:
@@ -689,6 +700,8 @@ class Bench:
                 "bubble_fraction": figures["bubble_fraction"],
                 "bubble_theory": gpipe_bubble(suite.num_stages, m) if schedule != "sequential" else None,
                 "bubble_schedule_measured_ops": figures["schedule_bubble"],
+                "bubble_busiest_stage": figures["busiest_stage_bubble"],
+                "stage_imbalance": figures["stage_imbalance"],
                 "transfer_us": figures.get("transfer_us"),  # measured for the sequential schedule only
                 "step_s": figures["step_s"], "critical_s": figures.get("critical_s"),
                 "bytes_per_transfer": row_bytes,
@@ -920,15 +933,19 @@ def render(results: dict[str, Any]) -> str:
             "ops`: the bubble of the schedule replayed with every op's and optimizer step's measured "
             "duration and instant transfers. Its gap to the equal-stage theory is the stages' imbalance "
             "and ops slowed by the CPU (here: two busy cores slow each other's matmuls); its gap to "
-            "the measured bubble is raypar's own cost (transfers, wake-ups, dispatch).",
+            "the measured bubble is raypar's own cost (transfers, wake-ups, dispatch). `busiest stage`: "
+            "the idle share of the stage with the most compute, which sets the pace; `imbalance`: its "
+            "compute over the least busy stage's. The gap between the bubble and the busiest stage's "
+            "is the other stages idling because the cut is uneven.",
             "",
             markdown_table(
                 ["schedule", "transport", "compute", "optimizer", "receive wait", "other", "bubble",
-                 "theory, equal stages", "schedule, measured ops"],
+                 "theory, equal stages", "schedule, measured ops", "busiest stage", "imbalance"],
                 [[r["schedule"], r["transport"], *_time_shares(r),
                   fmt(r["bubble_fraction"], ".3f"),
                   f"{r['bubble_theory']:.3f}" if r["bubble_theory"] is not None else "-",
-                  fmt(r["bubble_schedule_measured_ops"], ".3f")]
+                  fmt(r["bubble_schedule_measured_ops"], ".3f"), fmt(r.get("bubble_busiest_stage"), ".3f"),
+                  fmt(r.get("stage_imbalance"), ".2f")]
                  for r in pipe["configs"]
                  if r["num_microbatches"] == pipe["target_microbatches"] and not r["same_ops_as"]],
             ),

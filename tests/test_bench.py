@@ -20,6 +20,7 @@ from ray_jobs.bench import (
     run_suite,
     same_ops_as,
     sequential_critical_fraction,
+    stage_balance,
     stats,
     steady,
     summarise,
@@ -94,6 +95,12 @@ def test_sequential_critical_path_counts_only_the_first_stages_optimizer_step():
     # while stage 0 runs its backward, so only stage 0's step is on the path.
     fractions = {"compute_by_stage": [0.4, 0.4], "optimizer_by_stage": [0.05, 0.05]}
     assert sequential_critical_fraction(fractions) == pytest.approx(0.85)
+
+
+def test_stage_balance_names_the_busiest_stages_idle_share_and_the_imbalance():
+    fractions = {"compute_by_stage": [0.70, 0.82], "optimizer_by_stage": [0.02, 0.02]}
+    bubble, imbalance = stage_balance(fractions)
+    assert bubble == pytest.approx(0.16) and imbalance == pytest.approx(0.84 / 0.72)
 
 
 def test_worker_counts_are_powers_of_two_up_to_the_cluster_and_divide_the_batch():
@@ -265,4 +272,6 @@ def test_the_smoke_suite_runs_every_case_end_to_end(ray_cluster, tmp_path):
     for row in pipe["configs"]:
         assert row["samples_per_second"]["median"] > 0
         assert 0 <= row["bubble_fraction"]["median"] <= 1
+        assert 0 <= row["bubble_busiest_stage"]["median"] <= row["bubble_fraction"]["max"] + 1e-9
+        assert row["stage_imbalance"]["median"] >= 1
     assert results["ingest"]["ingest_over_training"]["median"] > 0
