@@ -34,7 +34,7 @@ from models import build_model
 from ray_jobs.config import TrainConfig
 from ray_jobs.data import read_dataset
 from ray_jobs.readings import cpu_times, steal_fraction
-from tests.helpers import assert_same_weights, reference_for
+from tests.helpers import REPO, assert_same_weights, reference_for
 
 
 def test_stats_median_min_max():
@@ -275,3 +275,10 @@ def test_the_smoke_suite_runs_every_case_end_to_end(ray_cluster, tmp_path):
         assert 0 <= row["bubble_busiest_stage"]["median"] <= row["bubble_fraction"]["max"] + 1e-9
         assert row["stage_imbalance"]["median"] >= 1
     assert results["ingest"]["ingest_over_training"]["median"] > 0
+
+
+def test_the_published_report_is_what_the_renderer_makes_of_its_json():
+    # docs/bench is what the README quotes: its tables must come from its own figures.
+    published = REPO / "docs" / "bench"
+    results = json.loads((published / "bench.json").read_text())
+    assert render(results) == (published / "bench.md").read_text()
