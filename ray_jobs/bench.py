@@ -934,8 +934,8 @@ def render(results: dict[str, Any]) -> str:
             "duration and instant transfers. Its gap to the equal-stage theory is the stages' imbalance "
             "and ops slowed by the CPU (here: two busy cores slow each other's matmuls); its gap to "
             "the measured bubble is raypar's own cost (transfers, wake-ups, dispatch). `busiest stage`: "
-            "the idle share of the stage with the most compute, which sets the pace; `imbalance`: its "
-            "compute over the least busy stage's. The gap between the bubble and the busiest stage's "
+            "the idle share of the stage with the most compute and optimizer time, which sets the pace; "
+            "`imbalance`: that time over the least busy stage's. The gap between the bubble and the busiest stage's "
             "is the other stages idling because the cut is uneven.",
             "",
             markdown_table(
