@@ -558,7 +558,7 @@ class Bench:
             result["critical_s"] = critical_s
             result["transfer_us"] = [transfer_overhead_us(step, critical, num_stages, num_microbatches)
                                      for step, critical in zip(step_s, critical_s)]
-        for key in ("compute", "optimizer", "receive_wait"):
+        for key in TIME_SHARES:
             result[f"{key}_fraction"] = [f.get(key, 0.0) for _, f in timed]
         result["schedule_bubble"] = [f["schedule_bubble"] for _, f in timed]
         balance = [stage_balance(f) for _, f in timed]
@@ -705,8 +705,7 @@ class Bench:
                 "transfer_us": figures.get("transfer_us"),  # measured for the sequential schedule only
                 "step_s": figures["step_s"], "critical_s": figures.get("critical_s"),
                 "bytes_per_transfer": row_bytes,
-                "time_fractions": {key: figures.get(f"{key}_fraction") for key in ("compute", "optimizer",
-                                                                                  "receive_wait")},
+                "time_fractions": {key: figures.get(f"{key}_fraction") for key in TIME_SHARES},
                 "raw": runs,
             })
         transports = []
@@ -757,6 +756,8 @@ CASES = ("data_parallel", "pipeline", "ingest")
 PIPELINE_SCHEDULES = ("sequential", "gpipe", "1f1b")
 PIPELINE_TRANSPORT = "p2p"  # raypar's default (auto); the sweep's transport
 OTHER_TRANSPORTS = ("compiled", "actor_calls")  # compared with it at a few configurations
+# The measured shares of the stages' time (wall x S); the rest is reported as `other`.
+TIME_SHARES = ("compute", "optimizer", "receive_wait", "p2p_calls")
 
 
 def same_ops_as(schedule: str, num_stages: int, num_microbatches: int) -> str:
@@ -928,7 +929,8 @@ def render(results: dict[str, Any]) -> str:
                  for r in pipe["configs"]],
             ),
             "", f"### Where the stages' time goes (M={pipe['target_microbatches']})", "",
-            "Shares of wall x S; `other`: dispatch, send calls and Python between ops (and, for "
+            "Shares of wall x S; `p2p calls`: gloo's send, receive-post and send-wait calls (p2p only); "
+            "`other`: dispatch and Python between ops (and, for "
             "transports other than p2p, waiting, which only p2p measures apart). `schedule, measured "
             "ops`: the bubble of the schedule replayed with every op's and optimizer step's measured "
             "duration and instant transfers. Its gap to the equal-stage theory is the stages' imbalance "
@@ -939,7 +941,7 @@ def render(results: dict[str, Any]) -> str:
             "is the other stages idling because the cut is uneven.",
             "",
             markdown_table(
-                ["schedule", "transport", "compute", "optimizer", "receive wait", "other", "bubble",
+                ["schedule", "transport", "compute", "optimizer", "receive wait", "p2p calls", "other", "bubble",
                  "theory, equal stages", "schedule, measured ops", "busiest stage", "imbalance"],
                 [[r["schedule"], r["transport"], *_time_shares(r),
                   fmt(r["bubble_fraction"], ".3f"),
@@ -1037,9 +1039,10 @@ def _steal_line(runs: list[dict[str, Any]] | None) -> str:
 
 
 def _time_shares(row: dict) -> list[str]:
-    shares = row["time_fractions"]
-    known = [shares[k]["median"] for k in ("compute", "optimizer", "receive_wait")]
-    return [*(f"{v:.3f}" for v in known), f"{1.0 - sum(known):.3f}"]
+    """The measured shares, ``-`` for one a report predates, and the rest as ``other``."""
+    known = [row["time_fractions"].get(k) for k in TIME_SHARES]
+    medians = [share["median"] for share in known if share]
+    return [*(f"{share['median']:.3f}" if share else "-" for share in known), f"{1.0 - sum(medians):.3f}"]
 
 
 def _workload_line(work: dict[str, Any]) -> str:

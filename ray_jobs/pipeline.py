@@ -447,7 +447,7 @@ def _finish(prepared: PreparedRun, scaling: PipelineScaling, pipeline: Pipeline,
     return finish(prepared, attempt.state, metrics, scaling.num_stages, {"scaling": asdict(scaling)}, extra)
 
 
-STAGE_TIME_KEYS = ("compute_s", "optimizer_s", "receive_wait_s")
+STAGE_TIME_KEYS = ("compute_s", "optimizer_s", "receive_wait_s", "p2p_calls_s")
 
 
 def bubble_fraction(timing: dict[str, float], seconds: float, num_stages: int) -> float | None:

@@ -13,7 +13,9 @@ from ray_jobs.schedules import (
     one_f_one_b,
     peak_live_activations,
     replayed_bubble,
+    sequential,
 )
+from ray_jobs.stage import MIN_RECEIVES_AHEAD, receives_ahead
 
 SHAPES = [(1, 1), (1, 4), (2, 1), (2, 2), (2, 8), (3, 4), (4, 2), (4, 4), (4, 16), (8, 8), (8, 3)]
 
@@ -100,3 +102,11 @@ def test_replay_of_uneven_and_unoverlapped_stages():
     assert _replay("gpipe", 1, 4, [1.0], [2.0]) == 0.0  # one stage never waits
     # An optimizer step delays the next batch on its own stage only.
     assert _replay("gpipe", 1, 4, [1.0], [2.0], step=1.0) == 0.0
+
+
+def test_receives_are_posted_as_far_ahead_as_the_schedule_keeps_microbatches_alive():
+    # GPipe holds every micro-batch, so every receive is posted; 1F1B's bound holds the buffers
+    # to S - s; never fewer than MIN_RECEIVES_AHEAD, so a receive is always posted before need.
+    assert [receives_ahead(ops) for ops in gpipe(2, 8)] == [8, 8]
+    assert [receives_ahead(ops) for ops in one_f_one_b(4, 8)] == [4, 3, 2, 2]
+    assert MIN_RECEIVES_AHEAD == 2 and receives_ahead(sequential(2, 8)[0]) == 2
