@@ -1,4 +1,5 @@
-"""Benchmarks: ``python -m ray_jobs.bench --suite quick|full [--out runs/bench] [--address ADDR]``.
+"""Benchmarks: ``python -m ray_jobs.bench --suite quick|full [--out runs/bench] [--address ADDR]``, or
+``--render DIR`` to write a finished run's report and plots anew from its ``bench.json``.
 
 Measures raypar's strategies against plain PyTorch peers on the same model, data, global batch
 and steps, and writes ``bench.json`` (every repetition), ``bench.md`` (the tables) and, when
@@ -1185,12 +1186,31 @@ def run_suite(suite: Suite, out: str, storage_path: str, address: str | None,
     results["seconds"] = time.perf_counter() - began
     results["machine"]["load_average_at_end"] = _load_average()
     results["machine"]["steal_by_run"] = bench.steal
-    results["plots"] = write_plots(results, out)
     results["complete"] = True
+    _write_report(results, out)
+    return results
+
+
+def rerender(out: str) -> dict[str, Any]:
+    """Write ``bench.md`` and the plots in ``out`` anew from its ``bench.json``, measuring
+    nothing: for a run made without matplotlib, or after a change to the report."""
+    path = os.path.join(out, "bench.json")
+    try:
+        with open(path) as handle:
+            results = json.load(handle)
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"--render {out}: cannot read {path}: {error}") from None
+    if not results.get("complete"):
+        raise ValueError(f"--render {out}: {path} is from a bench run that did not finish; run the bench again")
+    _write_report(results, out)
+    return results
+
+
+def _write_report(results: dict[str, Any], out: str) -> None:
+    results["plots"] = write_plots(results, out)
     _write_json(results, out)
     with open(os.path.join(out, "bench.md"), "w") as handle:
         handle.write(render(results))
-    return results
 
 
 def _write_json(results: dict[str, Any], out: str) -> None:
@@ -1213,7 +1233,12 @@ def main(argv: list[str] | None = None) -> int:
                              "cluster (default: a temporary local folder, deleted at the end)")
     parser.add_argument("--address", default=None,
                         help="Ray cluster to join (default: RAY_ADDRESS, else a new local one)")
+    parser.add_argument("--render", metavar="DIR", default=None,
+                        help="measure nothing: write DIR/bench.md and the plots anew from DIR/bench.json "
+                             "(after installing matplotlib, or after a change to the report)")
     args = parser.parse_args(argv)
+    if args.render is not None:
+        return _rerender_main(args.render)
     if args.suite not in SUITES:
         parser.error(f"--suite {args.suite!r} is unknown; valid: {', '.join(SUITES)}")
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -1235,6 +1260,17 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(scratch, ignore_errors=True)
     print(render(results))
     print(f"wrote {os.path.join(args.out, 'bench.json')} and bench.md")
+    return 0
+
+
+def _rerender_main(out: str) -> int:
+    try:
+        results = rerender(out)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    plots = results["plots"]
+    print(f"wrote {os.path.join(out, 'bench.md')}; " + (f"plots: {', '.join(plots)}" if isinstance(plots, list) else plots))
     return 0
 
 
