@@ -276,6 +276,26 @@ def stage_balance(fractions: dict[str, Any]) -> tuple[float, float]:
     return 1.0 - max(busy), max(busy) / min(busy)
 
 
+def speedup_parts(row: dict[str, Any], baseline: dict[str, Any]) -> dict[str, Any] | None:
+    """A pipeline's speed-up over its no-overlap baseline as the product of two ratios, each of
+    epoch figures measured in the same runs: ``busy_share``, the stages' busy share (1 - bubble)
+    over the baseline's, which is what the schedule overlaps; and ``op_speed``, samples per
+    second of busy stage time over the baseline's, which is how fast the ops themselves ran (two
+    stages computing at once, or a slow phase of the host, slow them; no schedule controls that).
+    None when a row lacks per-epoch bubbles to pair with its rates."""
+    def per_epoch(figures: dict[str, Any]) -> tuple[dict, dict] | None:
+        rates, bubbles = figures["samples_per_second"]["values"], figures["bubble_fraction"].get("values")
+        if not bubbles or len(bubbles) != len(rates) or max(bubbles) >= 1:
+            return None
+        return (stats([1.0 - b for b in bubbles]),
+                stats([rate / (1.0 - b) for rate, b in zip(rates, bubbles)]))
+
+    pipelined, sequential = per_epoch(row), per_epoch(baseline)
+    if pipelined is None or sequential is None:
+        return None
+    return {"busy_share": ratio(pipelined[0], sequential[0]), "op_speed": ratio(pipelined[1], sequential[1])}
+
+
 def target(name: str, measured: dict[str, Any] | None, goal: str, met: Callable[[float], bool], unit: str = "") -> dict:
     """A target judged on the median and the range around it: ``met`` or ``missed`` only when
     the median, min and max agree, else ``within noise`` (a median of 1.65x whose range is
@@ -697,6 +717,7 @@ class Bench:
                 "transport": figures["transport"], "samples_per_second": figures["samples_per_second"],
                 "speedup_vs_sequential": ratio(figures["samples_per_second"], baseline["samples_per_second"])
                 if baseline else None,
+                "speedup_vs_sequential_parts": speedup_parts(figures, baseline) if baseline else None,
                 "speedup_vs_single_process": ratio(figures["samples_per_second"], single_figures["samples_per_second"]),
                 "bubble_fraction": figures["bubble_fraction"],
                 "bubble_theory": gpipe_bubble(suite.num_stages, m) if schedule != "sequential" else None,
@@ -917,14 +938,19 @@ def render(results: dict[str, Any]) -> str:
             "spent neither in forward/backward nor in the optimizer step (which every schedule runs once "
             "per batch, outside the fill and drain the theory counts); waiting, transfers and dispatch are "
             "bubble. Theory: GPipe (S-1)/(M+S-1), equal stages and free transfers. "
-            "`(= sequential)`: the same op order on every stage, so one run reported under both names.",
+            "`(= sequential)`: the same op order on every stage, so one run reported under both names. "
+            "`vs sequential` = `busy share` x `op speed` (medians, so nearly): the stages' busy share "
+            "(1 - bubble) over the sequential runs' is what the schedule overlaps; samples per second "
+            "of busy stage time over theirs is how fast the ops ran, which two stages computing at "
+            "once, or a slow phase of the host, lowers whatever the schedule.",
             "",
             markdown_table(
-                ["M", "schedule", "transport", "samples/s", "vs sequential", "vs single process",
-                 "bubble", "bubble theory"],
+                ["M", "schedule", "transport", "samples/s", "vs sequential", "busy share", "op speed",
+                 "vs single process", "bubble", "bubble theory"],
                 [[r["num_microbatches"], r["schedule"] + (f" (= {r['same_ops_as']})" if r["same_ops_as"] else ""),
                   r["transport"], fmt(r["samples_per_second"]),
-                  fmt(r["speedup_vs_sequential"], ".2f"), fmt(r["speedup_vs_single_process"], ".2f"),
+                  fmt(r["speedup_vs_sequential"], ".2f"), *_speedup_parts_cells(pipe, r),
+                  fmt(r["speedup_vs_single_process"], ".2f"),
                   fmt(r["bubble_fraction"], ".3f"),
                   f"{r['bubble_theory']:.3f}" if r["bubble_theory"] is not None else "-"]
                  for r in pipe["configs"]],
@@ -1037,6 +1063,12 @@ def _steal_line(runs: list[dict[str, Any]] | None) -> str:
     median = statistics.median(r["steal_fraction"] for r in runs)
     return (f"CPU time taken by the hypervisor (steal) during the measured runs: median {median:.1%}, "
             f"most {worst['steal_fraction']:.1%} ({worst['run']}). ")
+
+
+def _speedup_parts_cells(pipe: dict, row: dict) -> list[str]:
+    baseline = _pipeline_row(pipe, "sequential", row["num_microbatches"], row["transport_requested"])
+    parts = speedup_parts(row, baseline) if baseline else None
+    return [fmt(parts[k], ".2f") for k in ("busy_share", "op_speed")] if parts else ["-", "-"]
 
 
 def _time_shares(row: dict) -> list[str]:

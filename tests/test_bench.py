@@ -21,6 +21,7 @@ from ray_jobs.bench import (
     run_suite,
     same_ops_as,
     sequential_critical_fraction,
+    speedup_parts,
     stage_balance,
     stats,
     steady,
@@ -102,6 +103,24 @@ def test_stage_balance_names_the_busiest_stages_idle_share_and_the_imbalance():
     fractions = {"compute_by_stage": [0.70, 0.82], "optimizer_by_stage": [0.02, 0.02]}
     bubble, imbalance = stage_balance(fractions)
     assert bubble == pytest.approx(0.16) and imbalance == pytest.approx(0.84 / 0.72)
+
+
+def test_speedup_splits_into_what_the_schedule_overlaps_and_how_fast_the_ops_ran():
+    def row(rates, bubbles):
+        return {"samples_per_second": stats(rates), "bubble_fraction": stats(bubbles)}
+
+    sequential = row([500.0, 500.0], [0.5, 0.5])  # 1,000 samples per busy second
+    # busy 0.8 vs 0.5: 1.6x from the schedule; 600 / 0.8 = 750 per busy second: ops at 0.75x
+    parts = speedup_parts(row([600.0, 600.0], [0.2, 0.2]), sequential)
+    assert parts["busy_share"]["median"] == pytest.approx(1.6)
+    assert parts["op_speed"]["median"] == pytest.approx(0.75)
+    assert parts["busy_share"]["median"] * parts["op_speed"]["median"] == pytest.approx(600 / 500)
+    # each epoch's rate pairs with its own bubble: a slow epoch is slow ops, not a worse schedule
+    parts = speedup_parts(row([800.0, 400.0], [0.2, 0.2]), sequential)
+    assert parts["busy_share"] == {"median": pytest.approx(1.6), "min": pytest.approx(1.6), "max": pytest.approx(1.6)}
+    assert (parts["op_speed"]["min"], parts["op_speed"]["max"]) == (pytest.approx(0.5), pytest.approx(1.0))
+    # no pairing possible: a bubble missing for an epoch
+    assert speedup_parts(row([600.0, 600.0], [0.2]), sequential) is None
 
 
 def test_worker_counts_are_powers_of_two_up_to_the_cluster_and_divide_the_batch():
@@ -278,6 +297,10 @@ def test_the_smoke_suite_runs_every_case_end_to_end(ray_cluster, tmp_path):
         # gloo's own calls are timed apart, on the p2p transport only
         calls = row["time_fractions"]["p2p_calls"]["median"]
         assert (0 < calls < 1) if row["transport"] == "p2p_gloo" else calls == 0
+        # the speed-up over sequential, split into the schedule's overlap and the ops' speed
+        parts = row["speedup_vs_sequential_parts"]
+        assert (parts is None) == (row["transport_requested"] != "p2p")
+        assert parts is None or min(parts["busy_share"]["median"], parts["op_speed"]["median"]) > 0
     assert results["ingest"]["ingest_over_training"]["median"] > 0
 
 
