@@ -582,6 +582,7 @@ class Bench:
         for key in TIME_SHARES:
             result[f"{key}_fraction"] = [f.get(key, 0.0) for _, f in timed]
         result["schedule_bubble"] = [f["schedule_bubble"] for _, f in timed]
+        result["median_ops_bubble"] = [f["median_ops_bubble"] for _, f in timed]
         balance = [stage_balance(f) for _, f in timed]
         result["busiest_stage_bubble"] = [bubble for bubble, _ in balance]
         result["stage_imbalance"] = [imbalance for _, imbalance in balance]
@@ -721,6 +722,7 @@ class Bench:
                 "speedup_vs_single_process": ratio(figures["samples_per_second"], single_figures["samples_per_second"]),
                 "bubble_fraction": figures["bubble_fraction"],
                 "bubble_theory": gpipe_bubble(suite.num_stages, m) if schedule != "sequential" else None,
+                "bubble_schedule_median_ops": figures.get("median_ops_bubble"),
                 "bubble_schedule_measured_ops": figures["schedule_bubble"],
                 "bubble_busiest_stage": figures["busiest_stage_bubble"],
                 "stage_imbalance": figures["stage_imbalance"],
@@ -960,20 +962,23 @@ def render(results: dict[str, Any]) -> str:
             "`other`: dispatch and Python between ops (and, for "
             "transports other than p2p, waiting, which only p2p measures apart). `schedule, measured "
             "ops`: the bubble of the schedule replayed with every op's and optimizer step's measured "
-            "duration and instant transfers. Its gap to the equal-stage theory is the stages' imbalance "
-            "and ops slowed by the CPU (here: two busy cores slow each other's matmuls); its gap to "
-            "the measured bubble is raypar's own cost (transfers, wake-ups, dispatch). `busiest stage`: "
+            "duration and instant transfers; `schedule, median ops`: the same with each stage's "
+            "forwards, backwards and steps each at that stage's median. So theory to median ops is "
+            "the cut (uneven stages, the optimizer steps); median to measured ops is the jitter of "
+            "single ops (a slow op holds up the stage waiting for it); measured ops to the bubble is "
+            "raypar's own cost (transfers, wake-ups, dispatch). `busiest stage`: "
             "the idle share of the stage with the most compute and optimizer time, which sets the pace; "
             "`imbalance`: that time over the least busy stage's. The gap between the bubble and the busiest stage's "
             "is the other stages idling because the cut is uneven.",
             "",
             markdown_table(
                 ["schedule", "transport", "compute", "optimizer", "receive wait", "p2p calls", "other", "bubble",
-                 "theory, equal stages", "schedule, measured ops", "busiest stage", "imbalance"],
+                 "theory, equal stages", "schedule, median ops", "schedule, measured ops", "busiest stage",
+                 "imbalance"],
                 [[r["schedule"], r["transport"], *_time_shares(r),
                   fmt(r["bubble_fraction"], ".3f"),
                   f"{r['bubble_theory']:.3f}" if r["bubble_theory"] is not None else "-",
-                  fmt(r["bubble_schedule_measured_ops"], ".3f"), fmt(r.get("bubble_busiest_stage"), ".3f"),
+                  fmt(r.get("bubble_schedule_median_ops"), ".3f"), fmt(r["bubble_schedule_measured_ops"], ".3f"), fmt(r.get("bubble_busiest_stage"), ".3f"),
                   fmt(r.get("stage_imbalance"), ".2f")]
                  for r in pipe["configs"]
                  if r["num_microbatches"] == pipe["target_microbatches"] and not r["same_ops_as"]],

@@ -30,7 +30,7 @@ from ray_jobs.cli import entry_point
 from ray_jobs.config import PLACEMENT_STRATEGIES, TrainConfig, flag_doc, require, require_choice, require_divisible
 from ray_jobs.preflight import wait_for_bundles
 from ray_jobs.runner import PreparedRun, finish, record_failure
-from ray_jobs.schedules import BACKWARD, FORWARD, SCHEDULES, execution_order, replayed_bubble
+from ray_jobs.schedules import BACKWARD, FORWARD, SCHEDULES, execution_order, replayed_bubble, typical_durations
 from ray_jobs.stage import PeerLost, StageWorker
 from ray_jobs.summary import TrainSummary
 from ray_jobs.train_workers import TrainingFailed
@@ -434,6 +434,7 @@ def _finish(prepared: PreparedRun, scaling: PipelineScaling, pipeline: Pipeline,
             {**_fractions(timing, epoch_seconds * scaling.num_stages),
              "bubble": bubble_fraction(timing, epoch_seconds, scaling.num_stages),
              "schedule_bubble": replayed_bubble(schedules, *durations),
+             "median_ops_bubble": replayed_bubble(schedules, *typical_durations(schedules, *durations)),
              "compute_by_stage": [sum(ops) / epoch_seconds for ops in durations[0]],
              "optimizer_by_stage": [sum(steps) / epoch_seconds for steps in durations[1]]}
             for timing, epoch_seconds, durations in zip(attempt.epoch_timing, attempt.epoch_seconds,

@@ -5,6 +5,7 @@ and backwarded once per stage, dependencies respected, 1F1B's memory bound) is u
 """
 from __future__ import annotations
 
+import statistics
 from typing import NamedTuple
 
 FORWARD, BACKWARD = "F", "B"
@@ -117,6 +118,20 @@ def replayed_bubble(schedules: list[list[Op]], op_seconds: list[list[float]],
     wall = max(clock)
     busy = sum(map(sum, op_seconds)) + sum(map(sum, step_seconds))
     return 1.0 - busy / (num_stages * wall) if wall else None
+
+
+def typical_durations(schedules: list[list[Op]], op_seconds: list[list[float]],
+                      step_seconds: list[list[float]]) -> tuple[list[list[float]], list[list[float]]]:
+    """The same durations with every stage's forwards, backwards and optimizer steps each set
+    to that stage's median: replayed, the bubble of the cut itself (uneven stages, the steps),
+    without the jitter of single ops, which ``replayed_bubble`` of the raw durations adds."""
+    ops_out, steps_out = [], []
+    for ops, seconds, steps in zip(schedules, op_seconds, step_seconds):
+        kinds = [ops[i % len(ops)].kind for i in range(len(seconds))]
+        typical = {kind: statistics.median([s for s, k in zip(seconds, kinds) if k == kind]) for kind in set(kinds)}
+        ops_out.append([typical[kind] for kind in kinds])
+        steps_out.append([statistics.median(steps)] * len(steps) if steps else [])
+    return ops_out, steps_out
 
 
 def peak_live_activations(ops: list[Op]) -> int:

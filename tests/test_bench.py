@@ -294,6 +294,7 @@ def test_the_smoke_suite_runs_every_case_end_to_end(ray_cluster, tmp_path):
         assert 0 <= row["bubble_fraction"]["median"] <= 1
         assert 0 <= row["bubble_busiest_stage"]["median"] <= row["bubble_fraction"]["max"] + 1e-9
         assert row["stage_imbalance"]["median"] >= 1
+        assert 0 <= row["bubble_schedule_median_ops"]["median"] <= 1
         # gloo's own calls are timed apart, on the p2p transport only
         calls = row["time_fractions"]["p2p_calls"]["median"]
         assert (0 < calls < 1) if row["transport"] == "p2p_gloo" else calls == 0

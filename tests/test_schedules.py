@@ -14,6 +14,7 @@ from ray_jobs.schedules import (
     peak_live_activations,
     replayed_bubble,
     sequential,
+    typical_durations,
 )
 from ray_jobs.stage import MIN_RECEIVES_AHEAD, receives_ahead
 
@@ -110,3 +111,21 @@ def test_receives_are_posted_as_far_ahead_as_the_schedule_keeps_microbatches_ali
     assert [receives_ahead(ops) for ops in gpipe(2, 8)] == [8, 8]
     assert [receives_ahead(ops) for ops in one_f_one_b(4, 8)] == [4, 3, 2, 2]
     assert MIN_RECEIVES_AHEAD == 2 and receives_ahead(sequential(2, 8)[0]) == 2
+
+
+def test_median_ops_replay_is_the_cut_without_the_jitter_of_single_ops():
+    schedules = gpipe(2, 4)
+    even = [[1.0 if op.kind == FORWARD else 2.0 for op in ops] * 3 for ops in schedules]
+    steps = [[0.0] * 3, [0.0] * 3]
+    # one slow backward on stage 1: the measured replay pays for it, the median replay does not
+    jittered = [list(even[0]), list(even[1])]
+    jittered[1][4] = 6.0
+    ops, typical_steps = typical_durations(schedules, jittered, steps)
+    assert ops == even and typical_steps == steps
+    assert replayed_bubble(schedules, *typical_durations(schedules, jittered, steps)) == pytest.approx(1 / 5)
+    assert replayed_bubble(schedules, jittered, steps) > 1 / 5
+    # an uneven cut stays uneven: each stage keeps its own medians, per kind and per step
+    uneven = [[1.0 if op.kind == FORWARD else 2.0 for op in schedules[0]] * 3,
+              [1.5 if op.kind == FORWARD else 3.0 for op in schedules[1]] * 3]
+    ops, typical_steps = typical_durations(schedules, uneven, [[0.1, 0.3, 0.2], [0.5, 0.5, 0.5]])
+    assert ops == uneven and typical_steps == [[0.2] * 3, [0.5] * 3]
