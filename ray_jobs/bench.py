@@ -978,7 +978,8 @@ def render(results: dict[str, Any]) -> str:
                 [[r["schedule"], r["transport"], *_time_shares(r),
                   fmt(r["bubble_fraction"], ".3f"),
                   f"{r['bubble_theory']:.3f}" if r["bubble_theory"] is not None else "-",
-                  fmt(r.get("bubble_schedule_median_ops"), ".3f"), fmt(r["bubble_schedule_measured_ops"], ".3f"), fmt(r.get("bubble_busiest_stage"), ".3f"),
+                  fmt(r.get("bubble_schedule_median_ops"), ".3f"), fmt(r["bubble_schedule_measured_ops"], ".3f"),
+                  fmt(r.get("bubble_busiest_stage"), ".3f"),
                   fmt(r.get("stage_imbalance"), ".2f")]
                  for r in pipe["configs"]
                  if r["num_microbatches"] == pipe["target_microbatches"] and not r["same_ops_as"]],
@@ -1306,8 +1307,9 @@ def _rerender_main(out: str) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    plots = results["plots"]
-    print(f"wrote {os.path.join(out, 'bench.md')}; " + (f"plots: {', '.join(plots)}" if isinstance(plots, list) else plots))
+    plots = results["plots"]  # the PNGs written, or why none were
+    said = f"plots: {', '.join(plots)}" if isinstance(plots, list) else plots
+    print(f"wrote {os.path.join(out, 'bench.md')}; {said}")
     return 0
 
 
