@@ -951,7 +951,7 @@ def render(results: dict[str, Any]) -> str:
                  "vs single process", "bubble", "bubble theory"],
                 [[r["num_microbatches"], r["schedule"] + (f" (= {r['same_ops_as']})" if r["same_ops_as"] else ""),
                   r["transport"], fmt(r["samples_per_second"]),
-                  fmt(r["speedup_vs_sequential"], ".2f"), *_speedup_parts_cells(pipe, r),
+                  fmt(r["speedup_vs_sequential"], ".2f"), *_speedup_parts_cells(r),
                   fmt(r["speedup_vs_single_process"], ".2f"),
                   fmt(r["bubble_fraction"], ".3f"),
                   f"{r['bubble_theory']:.3f}" if r["bubble_theory"] is not None else "-"]
@@ -1071,9 +1071,10 @@ def _steal_line(runs: list[dict[str, Any]] | None) -> str:
             f"most {worst['steal_fraction']:.1%} ({worst['run']}). ")
 
 
-def _speedup_parts_cells(pipe: dict, row: dict) -> list[str]:
-    baseline = _pipeline_row(pipe, "sequential", row["num_microbatches"], row["transport_requested"])
-    parts = speedup_parts(row, baseline) if baseline else None
+def _speedup_parts_cells(row: dict) -> list[str]:
+    """The split computed when the row was measured; ``-`` without a baseline, or in a report
+    that predates it."""
+    parts = row.get("speedup_vs_sequential_parts")
     return [fmt(parts[k], ".2f") for k in ("busy_share", "op_speed")] if parts else ["-", "-"]
 
 
