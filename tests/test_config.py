@@ -114,7 +114,8 @@ def test_optimizer_state_round_trips_by_parameter_name():
     ],
 )
 def test_auto_transport_choice(transport, use_gpu, nodes, expected):
-    from ray_jobs.pipeline import PipelineScaling, resolve_transport
+    from ray_jobs.pipeline import PipelineScaling
+    from ray_jobs.transports import resolve_transport
 
     assert resolve_transport(PipelineScaling(transport=transport, use_gpu=use_gpu), nodes) == expected
 

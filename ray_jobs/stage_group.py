@@ -1,0 +1,108 @@
+"""The stage actors of one pipeline attempt: placed together, started, probed and removed together."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ray_jobs.checkpoint import TrainState, merge_named_optimizer_states
+from ray_jobs.runner import PreparedRun
+from ray_jobs.stage import StageWorker
+from ray_jobs.train_workers import TrainingFailed
+from ray_jobs.transports import TransportFailed, connect, resolve_transport
+
+PLACEMENT_TIMEOUT_S = 120.0
+PROBE_TIMEOUT_S = 10.0  # how long a failed pipeline waits for its stages to answer "are you alive"
+
+
+class StageGroup:
+    """One placement-group bundle and one ``StageWorker`` actor per stage, and the transport
+    between them."""
+
+    def __init__(self, prepared: PreparedRun, scaling) -> None:
+        self.scaling = scaling
+        self.group = placement_group(scaling.bundles, strategy=scaling.placement_strategy)
+        self.actors: list = []
+        self.transport = None
+        try:
+            self._start_all(prepared)
+        except BaseException:
+            self.shutdown()  # nothing of a failed start may outlive it
+            raise
+
+    def _start_all(self, prepared: PreparedRun) -> None:
+        scaling = self.scaling
+        ready, _ = ray.wait([self.group.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            raise TrainingFailed(f"the {scaling.num_stages} stage bundles {scaling.bundles[0]} were not placed "
+                                 f"within {PLACEMENT_TIMEOUT_S:.0f} s ({scaling.placement_strategy})")
+        requested = resolve_transport(scaling, _bundle_nodes(self.group))
+        device_transport = scaling.use_gpu and requested == "compiled"
+        dataset, initial = ray.put(prepared.dataset), ray.put(prepared.initial_state)
+        self.actors = [self._start(index, prepared, dataset, initial, device_transport)
+                       for index in range(scaling.num_stages)]
+        self.nodes = ray.get([actor.node_id.remote() for actor in self.actors])
+        try:
+            self.transport = connect(requested, self.actors, self.nodes, scaling, device_transport)
+        except TransportFailed as error:
+            raise TrainingFailed(f"{error} (stages on nodes {self.nodes})") from error
+
+    def _start(self, index: int, prepared: PreparedRun, dataset, initial, device_transport: bool):
+        options = dict(
+            num_cpus=self.scaling.cpus_per_stage,
+            num_gpus=1 if self.scaling.use_gpu else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index),
+        )
+        actor_cls = ray.remote(StageWorker).options(**options)
+        return actor_cls.remote(
+            index, self.scaling.num_stages, self.scaling.num_microbatches, asdict(prepared.cfg), dataset, initial,
+            max(1, int(self.scaling.cpus_per_stage)), self.scaling.use_gpu, device_transport,
+        )
+
+    def gather_state(self) -> tuple[dict, dict]:
+        """The unsplit model's weights and optimizer state, from every stage's slice."""
+        parts = ray.get([actor.state.remote() for actor in self.actors])
+        weights = {k: v for stage_weights, _ in parts for k, v in stage_weights.items()}
+        return weights, merge_named_optimizer_states([optimizer for _, optimizer in parts])
+
+    def take_timing(self) -> list[dict[str, float]]:
+        return ray.get([actor.take_timing.remote() for actor in self.actors])
+
+    def restore(self, state: TrainState) -> None:
+        ray.get([actor.restore.remote(state) for actor in self.actors])
+
+    def describe_failure(self, error: Exception) -> str:
+        """Name the dead stage by probing every actor at once: the error alone does not say
+        which. A dead actor's probe fails at once; a live one may be blocked (in a receive from
+        the dead stage, or behind its queued batches) and answer late or never, so silence
+        alone does not make a stage the culprit."""
+        probes = {actor.node_id.remote(): index for index, actor in enumerate(self.actors)}
+        waiting, deadline = list(probes), time.monotonic() + PROBE_TIMEOUT_S
+        while waiting:
+            ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            try:
+                ray.get(ready[0])
+            except Exception:  # the actor is gone
+                index = probes[ready[0]]
+                return f"stage {index} actor on node {self.nodes[index]} died"
+        cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        silent = sorted(probes[ref] for ref in waiting)
+        if silent:
+            return f"stages {silent} stopped answering ({cause})"
+        return f"a stage failed ({cause})"
+
+    def shutdown(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        for actor in self.actors:
+            ray.kill(actor)
+        remove_placement_group(self.group)
+
+
+def _bundle_nodes(group) -> list[str]:
+    return list(placement_group_table(group)["bundles_to_node_id"].values())
