@@ -26,9 +26,11 @@ def entry_point(
     description: str | None,
 ) -> int:
     parser = ArgumentParser(prog=f"python -m ray_jobs.{strategy}", description=description)
-    add_flags(parser, TrainConfig, "training")
+    add_flags(parser, TrainConfig)
     add_flags(parser, scaling_cls, "placement")
-    parser.add_argument("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else a new local one)")
+    placement = next(group for group in parser._action_groups if group.title == "placement")
+    placement.add_argument("--address", default=None,
+                           help="Ray cluster to join (default: RAY_ADDRESS, else a new local Ray)")
     args = parser.parse_args(argv)
     try:
         cfg, scaling = from_args(TrainConfig, args), from_args(scaling_cls, args)

@@ -17,48 +17,57 @@ OPTIMIZERS = ("sgd", "adamw")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
 
 
-def flag_doc(help_text: str, **extra: Any) -> dict[str, Any]:
-    return {"help": help_text, **extra}
+# The --help sections, in this order; the README's flag reference uses the same ones.
+FLAG_GROUPS = ("data", "model", "training", "pipeline", "placement", "checkpoints", "ingest")
+
+
+def flag_doc(help_text: str, group: str | None = None, default_text: str | None = None, **extra: Any) -> dict[str, Any]:
+    """A field's flag: its help, its --help section, and what a ``None`` default means."""
+    return {"help": help_text, "group": group, "default_text": default_text, **extra}
 
 
 @dataclass
 class TrainConfig:
     """What to train and how: identical for every strategy, so results are comparable."""
 
-    model: str = field(default="seed-mlp", metadata=flag_doc("registry model name", choices=sorted(MODELS)))
-    hidden: int | None = field(default=None, metadata=flag_doc("hidden width (seed-mlp, seed-split, mlp)"))
-    depth: int | None = field(default=None, metadata=flag_doc("number of Linear layers (mlp)"))
-    data: str | None = field(
-        default=None,
-        metadata=flag_doc("Parquet file or directory, local or a pyarrow.fs URI; default: synthetic data"),
-    )
-    feature_column: str = field(default="features", metadata=flag_doc("list<float> column of inputs"))
-    target_column: str = field(
-        default="target", metadata=flag_doc("list<float> column (regression) or integer column (classification)")
-    )
-    epochs: int = field(default=3, metadata=flag_doc("passes over the data"))
-    batch_size: int = field(default=32, metadata=flag_doc("global batch size, split evenly across workers"))
-    lr: float = field(default=0.05, metadata=flag_doc("learning rate"))
-    optimizer: str = field(default="sgd", metadata=flag_doc("optimizer", choices=OPTIMIZERS))
-    momentum: float = field(default=0.0, metadata=flag_doc("SGD momentum"))
-    weight_decay: float = field(default=0.0, metadata=flag_doc("weight decay (sgd and adamw)"))
-    seed: int = field(default=0, metadata=flag_doc("seeds initial weights and the epoch shuffles"))
-    shuffle: bool = field(default=True, metadata=flag_doc("visit rows in file order instead of a seeded shuffle"))
-    init_from: str | None = field(
-        default=None, metadata=flag_doc("initial weights: a full state_dict (.pt) of the unsplit model")
-    )
-    checkpoint_every: int = field(default=1, metadata=flag_doc("checkpoint every N epochs (and always at the end)"))
-    num_checkpoints_to_keep: int = field(default=2, metadata=flag_doc("checkpoints kept in the run directory"))
-    storage_path: str = field(default="./runs", metadata=flag_doc("run storage: a local path or s3:// / gs:// URI"))
-    name: str | None = field(
-        default=None, metadata=flag_doc("run name; re-running a name resumes it (default: strategy + timestamp)")
-    )
-    max_failures: int = field(default=0, metadata=flag_doc("worker-group restarts allowed, each resuming from the latest checkpoint"))
-    resource_timeout: float = field(
-        default=300.0,
-        metadata=flag_doc("seconds to wait for an autoscaling cluster to add the nodes a run needs "
-                      "(a fixed-size cluster that lacks them fails at once)"),
-    )
+    # data
+    data: str | None = field(default=None, metadata=flag_doc(
+        "Parquet file or directory, local or a pyarrow.fs URI", "data", "synthetic: 1,024 rows, 10 -> 5"))
+    feature_column: str = field(default="features", metadata=flag_doc("list<float> column of inputs", "data"))
+    target_column: str = field(default="target", metadata=flag_doc(
+        "list<float> column (regression) or integer column (classification)", "data"))
+    # model
+    model: str = field(default="seed-mlp", metadata=flag_doc("registry model name", "model", choices=sorted(MODELS)))
+    hidden: int | None = field(default=None, metadata=flag_doc(
+        "hidden width (seed-mlp, seed-split, mlp)", "model", "the model's: 10, 5, 64"))
+    depth: int | None = field(default=None, metadata=flag_doc("number of Linear layers (mlp)", "model", "4"))
+    init_from: str | None = field(default=None, metadata=flag_doc(
+        "initial weights: a full state_dict (.pt) of the unsplit model", "model", "built after manual_seed(--seed)"))
+    # training
+    epochs: int = field(default=3, metadata=flag_doc("passes over the data", "training"))
+    batch_size: int = field(default=32, metadata=flag_doc("global batch size, split evenly across workers", "training"))
+    lr: float = field(default=0.05, metadata=flag_doc("learning rate", "training"))
+    optimizer: str = field(default="sgd", metadata=flag_doc("optimizer", "training", choices=OPTIMIZERS))
+    momentum: float = field(default=0.0, metadata=flag_doc("SGD momentum", "training"))
+    weight_decay: float = field(default=0.0, metadata=flag_doc("weight decay (sgd and adamw)", "training"))
+    seed: int = field(default=0, metadata=flag_doc("seeds initial weights and the epoch shuffles", "training"))
+    shuffle: bool = field(default=True, metadata=flag_doc(
+        "visit rows in file order instead of a seeded shuffle", "training", "shuffled"))
+    # checkpoints
+    checkpoint_every: int = field(default=1, metadata=flag_doc(
+        "checkpoint every N epochs (and always at the end)", "checkpoints"))
+    num_checkpoints_to_keep: int = field(default=2, metadata=flag_doc(
+        "checkpoints kept in the run directory", "checkpoints"))
+    storage_path: str = field(default="./runs", metadata=flag_doc(
+        "run storage: a local path or s3:// / gs:// URI", "checkpoints"))
+    name: str | None = field(default=None, metadata=flag_doc(
+        "run name; re-running a name resumes it", "checkpoints", "strategy + timestamp"))
+    max_failures: int = field(default=0, metadata=flag_doc(
+        "worker-group restarts allowed, each resuming from the latest checkpoint", "checkpoints"))
+    # placement
+    resource_timeout: float = field(default=300.0, metadata=flag_doc(
+        "seconds to wait for an autoscaling cluster to add the nodes a run needs "
+        "(a fixed-size cluster that lacks them fails at once)", "placement"))
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -85,10 +94,10 @@ class WorkerScaling:
     """How Ray Train places the workers of a data-parallel run (DDP or DataParallel)."""
 
     num_workers: int = field(default=2, metadata=flag_doc("training worker processes (one per GPU on GPU clusters)"))
-    use_gpu: bool = field(default=False, metadata=flag_doc("give each worker GPUs and use nccl (default: CPU, gloo)"))
+    use_gpu: bool = field(default=False, metadata=flag_doc("give each worker GPUs and use nccl", default_text="CPU, gloo"))
     cpus_per_worker: float = field(default=1.0, metadata=flag_doc("CPUs reserved per worker; also its torch thread count"))
     gpus_per_worker: float | None = field(
-        default=None, metadata=flag_doc("GPUs per worker, fractional allowed (default 1 with --use-gpu)")
+        default=None, metadata=flag_doc("GPUs per worker, fractional allowed", default_text="1 with --use-gpu")
     )
     placement_strategy: str = field(
         default="PACK", metadata=flag_doc("how workers spread over nodes", choices=PLACEMENT_STRATEGIES)
@@ -141,27 +150,43 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, title: str) -> None:
-    """Add one ``--flag`` per dataclass field; a bool defaulting to True becomes ``--no-flag``."""
-    group = parser.add_argument_group(title)
+def add_flags(parser: argparse.ArgumentParser, cls: type, default_group: str = "placement") -> None:
+    """Add one ``--flag`` per dataclass field, in the --help section its metadata names (else
+    ``default_group``), each with its default; a bool defaulting to True becomes ``--no-flag``."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        kind = hints[f.name]
         meta = dict(f.metadata)
-        if kind is bool:
-            if f.default:
-                group.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=meta["help"])
-            else:
-                group.add_argument(flag, dest=f.name, action="store_true", help=meta["help"])
-            continue
-        scalar = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))
+        group = _flag_group(parser, meta.pop("group") or default_group)
         default = f.default if f.default is not dataclasses.MISSING else None
+        default_text = meta.pop("default_text")
         # choices go into the help text: a bad value then fails in __post_init__ with one line.
         choices = meta.pop("choices", None)
         meta["help"] += f"; one of {', '.join(choices)}" if choices else ""
-        meta["help"] += f" (default: {default})" if default is not None else ""
+        if hints[f.name] is bool:
+            shown = default_text or ("on" if default else "off")
+            meta["help"] += f" (default: {shown})"
+            if default:
+                group.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", **meta)
+            else:
+                group.add_argument(flag, dest=f.name, action="store_true", **meta)
+            continue
+        scalar = next(t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None))
+        meta["help"] += f" (default: {default_text if default is None else default})"
         group.add_argument(flag, dest=f.name, type=scalar, default=default, metavar=f.name.upper(), **meta)
+
+
+def _flag_group(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
+    """The parser's section ``title``; all of ``FLAG_GROUPS`` are created at once, so --help
+    lists them in that order whichever dataclass adds its flags first."""
+    existing = {group.title: group for group in parser._action_groups}
+    if title not in existing:
+        for name in FLAG_GROUPS:
+            if name not in existing:
+                existing[name] = parser.add_argument_group(name)
+    if title not in existing:
+        raise ValueError(f"flag group {title!r} is not one of {', '.join(FLAG_GROUPS)}")
+    return existing[title]
 
 
 def from_args(cls: type[Config], args: argparse.Namespace) -> Config:

@@ -9,6 +9,7 @@ import torch
 
 from models import build_model
 from ray_jobs import ddp, dp
+from tests.helpers import REPO
 
 BAD_INPUT = [
     (["--num-workers", "0"], "error: --num-workers must be at least 1, got 0"),
@@ -66,3 +67,28 @@ def test_a_real_process_prints_no_traceback(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == "error: --batch-size 10 is not divisible by --num-workers 3"
     assert "Traceback" not in result.stdout + result.stderr
+
+
+HELP_SECTIONS = {
+    "ddp": ["data", "model", "training", "placement", "checkpoints"],
+    "dp": ["data", "model", "training", "placement", "checkpoints"],
+    "pipeline": ["data", "model", "training", "pipeline", "placement", "checkpoints"],
+}
+
+
+@pytest.mark.parametrize("strategy", sorted(HELP_SECTIONS))
+def test_help_groups_flags_as_the_readme_does_each_with_its_default(strategy, capsys):
+    from ray_jobs import pipeline
+
+    module = {"ddp": ddp, "dp": dp, "pipeline": pipeline}[strategy]
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    sections = [line[:-1] for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert sections[sections.index("data"):] == HELP_SECTIONS[strategy]
+    for flag in text.split("\n  --")[1:]:
+        assert "(default: " in " ".join(flag.split()), flag  # argparse wraps a flag's help: join it
+    readme = (REPO / "README.md").read_text()
+    for section in HELP_SECTIONS[strategy]:
+        assert f"| {section}" in readme, section  # the README's flag reference uses the same groups
