@@ -1,0 +1,20 @@
+"""What the bench measures, one module per case. A case is a function of the bench run (``Bench``:
+its suite, data files and log) and of the results of the cases run before it; it returns its
+section of ``bench.json``. A new case is a module here and an entry in ``CASES``, plus its section
+in ``report.py`` and any target in ``stats.targets``."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ray_jobs.bench.cases.common import Bench
+from ray_jobs.bench.cases.data_parallel import data_parallel_cases
+from ray_jobs.bench.cases.ingest import ingest_case
+from ray_jobs.bench.cases.pipeline import pipeline_case
+
+# The names ``--cases`` takes, in the order the cases run.
+CASES: dict[str, Callable[[Bench, dict[str, Any]], dict[str, Any]]] = {
+    "data_parallel": data_parallel_cases,
+    "pipeline": pipeline_case,
+    "ingest": ingest_case,  # after data_parallel: it compares with the DDP job's consumption
+}

@@ -1,0 +1,63 @@
+"""What every case uses: the bench run's state (suite, data files, scratch storage, each run's CPU
+steal), one repetition's measurement, and one run of the plain-torch peer, which both the DDP
+and the pipeline cases compare with."""
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ray_jobs.bench.peer import torch_ddp
+from ray_jobs.bench.stats import quiet, steady
+from ray_jobs.bench.suites import Suite, Workload
+from ray_jobs.config import TrainConfig
+from ray_jobs.data import synthesize, write_table
+from ray_jobs.readings import cpu_times, steal_fraction
+from ray_jobs.runner import prepare
+
+
+class Bench:
+    """One bench run: its suite, data files, scratch storage, and everything measured."""
+
+    def __init__(self, suite: Suite, out: str, storage_path: str, log: Callable[[str], None] = print) -> None:
+        self.suite, self.out, self.storage_path, self.log = suite, out, storage_path, log
+        self.runs = 0
+        self.steal: list[dict[str, Any]] = []  # per measured run: the hypervisor's share of the CPU
+        self.ddp_data = os.path.join(out, "data", "ddp.parquet")
+        self.pipeline_data = os.path.join(out, "data", "pipeline.parquet")
+        for path, work in ((self.ddp_data, suite.ddp), (self.pipeline_data, suite.pipeline)):
+            write_table(synthesize(work.rows, work.in_features, work.out_features, "regression", seed=0), path)
+
+    def config(self, work: Workload, data: str, label: str) -> TrainConfig:
+        self.runs += 1
+        return work.config(data, self.storage_path, f"bench-{os.getpid()}-{self.runs:03d}-{label}")
+
+    def peer(self, work: Workload, data: str, world_size: int, num_threads: int) -> dict[str, Any]:
+        cfg = self.config(work, data, f"torch{world_size}")
+        prepared = prepare(cfg, "torch")
+        result = torch_ddp(cfg, prepared.dataset, prepared.initial_state, world_size, num_threads)
+        self.clean(prepared.run_dir)
+        return {"samples_per_second": steady(result.epoch_seconds, work.samples_per_epoch),
+                "samples_per_second_quiet": quiet(result.epoch_seconds, result.epoch_steal, work.samples_per_epoch),
+                "wall_s": result.wall_s, "loop_s": result.loop_s,
+                "startup_s": result.wall_s - result.loop_s, "first_step_s": result.first_step_s,
+                "after_loop_s": result.wall_s - result.first_step_s - result.loop_s,
+                "peak_rss_bytes": max(result.peak_rss_bytes), "final_loss": result.losses[-1]}
+
+    def clean(self, run_dir: str) -> None:
+        if "://" not in run_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    def measure(self, into: list, label: str, rep: int, run: Callable[[], dict]) -> None:
+        began, cpu = time.perf_counter(), cpu_times()
+        result = run()
+        into.append(result)
+        result["steal_fraction"] = steal = steal_fraction(cpu, cpu_times())
+        if steal is not None:
+            self.steal.append({"run": f"{label}, run {rep + 1}", "steal_fraction": steal})
+        sps = result.get("samples_per_second")
+        sps = statistics.median(sps) if isinstance(sps, list) else sps
+        self.log(f"[bench] {label}, run {rep + 1}: {sps:,.0f} samples/s, {time.perf_counter() - began:.1f} s")

@@ -1,0 +1,139 @@
+"""The bench's suites: each a DDP and a pipeline workload (a model and a synthetic dataset), and how
+many repetitions and configurations of each case it runs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ray_jobs.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model and a synthetic regression dataset (written as Parquet, read back like --data)."""
+
+    model: str
+    hidden: int
+    depth: int
+    rows: int
+    in_features: int
+    out_features: int
+    batch_size: int
+    epochs: int
+
+    def config(self, data: str, storage_path: str, name: str) -> TrainConfig:
+        # Checkpoint once, at the end: checkpoints are outside the timed loop, but not outside
+        # the wall time that start-up cost is derived from.
+        return TrainConfig(
+            model=self.model, hidden=self.hidden, depth=self.depth, data=data, epochs=self.epochs,
+            batch_size=self.batch_size, checkpoint_every=self.epochs, num_checkpoints_to_keep=1,
+            storage_path=storage_path, name=name,
+        )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.rows // self.batch_size
+
+    @property
+    def samples_per_epoch(self) -> int:
+        return self.steps_per_epoch * self.batch_size
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    description: str
+    ddp: Workload
+    pipeline: Workload
+    fit_repetitions: int
+    """Repetitions of each Ray Train fit (DDP, DataParallel): ~15 s of fixed cost each."""
+    overhead_repetitions: int
+    """Repetitions of the DDP-overhead pair (raypar DDP and the torch peer), the headline ratio."""
+    cheap_repetitions: int
+    """Repetitions of the plain-torch peers and of ingest (seconds each)."""
+    pipeline_repetitions: int
+    """Runs of each pipeline configuration."""
+    pipeline_target_repetitions: int
+    """Runs of the configurations the targets judge (M = ``target_microbatches``): with both
+    cores computing, Ray's own processes preempt a stage now and then, so runs differ more than
+    the epochs within one run."""
+    ddp_workers: int
+    """Workers of the DDP-overhead and DataParallel-vs-DDP cases (capped by the cluster's CPUs)."""
+    max_workers: int
+    """Largest worker count of the scaling case (capped by the cluster's CPUs)."""
+    num_stages: int
+    microbatches: tuple[int, ...]
+    target_microbatches: int
+    """M of the pipeline targets, and of the transport comparison."""
+    other_transport_schedules: tuple[str, ...]
+    """Schedules also run over the other transports (compiled graph, plain actor calls), at every M
+    of ``other_transport_microbatches``."""
+    other_transport_microbatches: tuple[int, ...]
+    ingest_repetitions: int
+
+
+SUITES: dict[str, Suite] = {
+    "quick": Suite(
+        name="quick",
+        description="a few minutes on a 2-core machine",
+        # 256 rows per worker and step: enough compute that gloo's all-reduce does not dominate.
+        ddp=Workload("mlp", 256, 4, rows=32768, in_features=32, out_features=8, batch_size=512, epochs=5),
+        pipeline=Workload("mlp", 1024, 8, rows=2048, in_features=1024, out_features=1024, batch_size=256, epochs=3),
+        # Each run's epochs after the first are its repetitions: one Ray Train fit costs ~15 s of
+        # start-up here, so repeating runs is kept for the start-up figure.
+        fit_repetitions=1,
+        overhead_repetitions=2,
+        cheap_repetitions=3,
+        pipeline_repetitions=1,
+        pipeline_target_repetitions=3,
+        ddp_workers=2,
+        max_workers=2,
+        num_stages=2,
+        microbatches=(1, 2, 4, 8, 16),
+        target_microbatches=8,
+        other_transport_schedules=("gpipe",),
+        other_transport_microbatches=(8,),
+        ingest_repetitions=5,
+    ),
+    "full": Suite(
+        name="full",
+        description="a real cluster: more data, workers up to the cluster's CPUs, 5 repetitions",
+        ddp=Workload("mlp", 1024, 4, rows=65536, in_features=256, out_features=16, batch_size=512, epochs=5),
+        pipeline=Workload("mlp", 1024, 8, rows=8192, in_features=1024, out_features=1024, batch_size=256, epochs=5),
+        fit_repetitions=5,
+        overhead_repetitions=5,
+        cheap_repetitions=5,
+        pipeline_repetitions=5,
+        pipeline_target_repetitions=5,
+        ddp_workers=4,
+        max_workers=64,
+        num_stages=2,
+        microbatches=(1, 2, 4, 8, 16),
+        target_microbatches=8,
+        other_transport_schedules=("gpipe", "1f1b", "sequential"),
+        other_transport_microbatches=(1, 2, 4, 8, 16),
+        ingest_repetitions=10,
+    ),
+    "smoke": Suite(
+        name="smoke",
+        description="seconds-scale check that the bench itself runs; its numbers mean nothing",
+        ddp=Workload("mlp", 32, 3, rows=512, in_features=8, out_features=4, batch_size=64, epochs=2),
+        pipeline=Workload("mlp", 64, 4, rows=256, in_features=64, out_features=64, batch_size=64, epochs=2),
+        fit_repetitions=1,
+        overhead_repetitions=1,
+        cheap_repetitions=1,
+        pipeline_repetitions=1,
+        pipeline_target_repetitions=1,
+        ddp_workers=2,
+        max_workers=2,
+        num_stages=2,
+        microbatches=(1, 4),
+        target_microbatches=4,
+        other_transport_schedules=("gpipe",),
+        other_transport_microbatches=(4,),
+        ingest_repetitions=2,
+    ),
+}
+
+PIPELINE_SCHEDULES = ("sequential", "gpipe", "1f1b")
+PIPELINE_TRANSPORT = "p2p"  # raypar's default (auto); the sweep's transport
+OTHER_TRANSPORTS = ("compiled", "actor_calls")  # compared with it at a few configurations

@@ -1,0 +1,68 @@
+"""The bench's report (no Ray): tables, figures, and bench.md from bench.json."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ray_jobs.bench.report import fmt, markdown_table, render
+from ray_jobs.bench.stats import ratio, stats, targets
+from tests.helpers import REPO
+
+
+def test_markdown_table_aligns_numbers_right_and_text_left():
+    table = markdown_table(["case", "samples/s"], [["ddp", "1,234"], ["torch", "987 (900–1,000)"]])
+    assert table.splitlines() == [
+        "| case  |       samples/s |",
+        "|-------|----------------:|",
+        "| ddp   |           1,234 |",
+        "| torch | 987 (900–1,000) |",
+    ]
+    with pytest.raises(ValueError, match="2 columns"):
+        markdown_table(["a", "b"], [["only one"]])
+
+
+def test_markdown_table_treats_a_dash_as_a_missing_number():
+    table = markdown_table(["ratio"], [["0.97"], ["-"]])
+    assert table.splitlines()[1:] == ["|------:|", "|  0.97 |", "|     - |"]
+
+
+def test_render_reports_each_target_met_missed_or_not_run():
+    ingest = {
+        "rows": 1000, "file_bytes": 2**20,
+        "worker_rss_at_start_bytes": 100 * 2**20, "worker_peak_rss_bytes": 150 * 2**20,
+        "pyarrow_rows_per_second": stats([2e6]), "raypar_rows_per_second": stats([1e6]),
+        "raypar_over_pyarrow": ratio(stats([1e6]), stats([2e6])), "ddp_samples_per_second": stats([1e4]),
+        "ingest_over_training": ratio(stats([1e6]), stats([1e4])),
+    }
+    results = {"suite": "quick", "seconds": 1.0, "ingest": ingest, "plots": "plots skipped: matplotlib not installed",
+               "machine": {"cpu_count": 2, "torch": "t", "ray": "r", "python": "p", "platform": "x"}}
+    results["targets"] = targets(results)
+    text = render(results)
+    assert "| ingest rows/s / DDP samples/s                 | >= 5x            |   100.00 | met     |" in text
+    assert text.count("| not run |") == 5  # the DDP and pipeline cases did not run
+    assert "plots skipped: matplotlib not installed." in text
+    assert "steal" not in text  # not measured: no claim either way
+
+
+def test_render_names_the_run_the_hypervisor_slowed_most():
+    machine = {"cpu_count": 2, "torch": "t", "ray": "r", "python": "p", "platform": "x",
+               "steal_by_run": [{"run": "a, run 1", "steal_fraction": 0.01},
+                                {"run": "b, run 1", "steal_fraction": 0.085},
+                                {"run": "b, run 2", "steal_fraction": 0.02}]}
+    results = {"suite": "quick", "seconds": 1.0, "plots": "none", "machine": machine, "targets": []}
+    assert "steal) during the measured runs: median 2.0%, most 8.5% (b, run 1)." in render(results)
+
+
+def test_fmt_shows_median_then_range_and_collapses_a_flat_range():
+    assert fmt(stats([1000, 1200, 1100])) == "1,100 (1,000–1,200)"
+    assert fmt(stats([0.5]), ".2f") == "0.50"
+    assert fmt(stats([0.001, 0.002]), ".1f", 1e3) == "1.5 (1.0–2.0)"
+    assert fmt(None) == "-"
+
+
+def test_the_published_report_is_what_the_renderer_makes_of_its_json():
+    # docs/bench is what the README quotes: its tables must come from its own figures.
+    published = REPO / "docs" / "bench"
+    results = json.loads((published / "bench.json").read_text())
+    assert render(results) == (published / "bench.md").read_text()
