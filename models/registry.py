@@ -34,8 +34,9 @@ def seed_split(in_features: int, out_features: int, hidden: int = 5) -> nn.Modul
     )
 
 
-def mlp(in_features: int, out_features: int, hidden: int = 64, depth: int = 4) -> nn.Module:
-    """``depth`` Linear layers (``fc0`` .. ``fc{depth-1}``) of width ``hidden`` with ReLU between them."""
+def mlp(in_features: int, out_features: int, hidden: int = 64, depth: int = 4, dropout: float = 0.0) -> nn.Module:
+    """``depth`` Linear layers (``fc0`` .. ``fc{depth-1}``) of width ``hidden`` with ReLU between them,
+    each ReLU followed by ``Dropout(dropout)`` when it is above 0."""
     if depth < 1:
         raise ValueError(f"--depth must be at least 1, got {depth}")
     widths = [in_features] + [hidden] * (depth - 1) + [out_features]
@@ -44,6 +45,8 @@ def mlp(in_features: int, out_features: int, hidden: int = 64, depth: int = 4) -
         children[f"fc{index}"] = nn.Linear(widths[index], widths[index + 1])
         if index < depth - 1:
             children[f"relu{index}"] = nn.ReLU()
+            if dropout:
+                children[f"dropout{index}"] = nn.Dropout(dropout)
     return NamedSequential(**children)
 
 
@@ -58,11 +61,11 @@ MODEL_OPTIONS: dict[str, tuple[str, ...]] = {
     "seed-linear": (),
     "seed-mlp": ("hidden",),
     "seed-split": ("hidden",),
-    "mlp": ("hidden", "depth"),
+    "mlp": ("hidden", "depth", "dropout"),
 }
 
 
-def build_model(name: str, in_features: int, out_features: int, **options: int | None) -> nn.Module:
+def build_model(name: str, in_features: int, out_features: int, **options: float | None) -> nn.Module:
     """Build a registered model. Options set to ``None`` take the model's default.
 
     Raises ``ValueError`` naming the valid choices for an unknown name, an option the model
@@ -76,7 +79,13 @@ def build_model(name: str, in_features: int, out_features: int, **options: int |
         valid = ", ".join(f"--{opt}" for opt in MODEL_OPTIONS[name]) or "none"
         flags = ", ".join(f"--{opt}" for opt in unknown)
         raise ValueError(f"model {name!r} does not take {flags}; its options: {valid}")
-    for label, value in [("in_features", in_features), ("out_features", out_features), *given.items()]:
+    dropout = given.pop("dropout", 0.0)
+    if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"model {name!r}: dropout must be in [0, 1), got {dropout!r}")
+    if dropout:
+        given["dropout"] = float(dropout)
+    for label, value in [("in_features", in_features), ("out_features", out_features),
+                         *((k, v) for k, v in given.items() if k != "dropout")]:
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"model {name!r}: {label} must be a positive integer, got {value!r}")
     return MODELS[name](in_features, out_features, **given)

@@ -1,6 +1,7 @@
 """The shape every entry point shares: parse flags, validate, connect, run, print.
 
-User errors end as one ``error:`` line and exit status 2; a failed run as one line and 1.
+User errors found before training end as one ``error:`` line and exit status 2; a run that fails
+as one line naming its root cause and 1; a finished run re-run with its own settings says so, 0.
 """
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray.exceptions import RayError
 
 from ray_jobs.config import ArgumentParser, TrainConfig, add_flags, from_args
+from ray_jobs.errors import TrainingFailed, root_cause
 from ray_jobs.interrupts import run_until_interrupted
+from ray_jobs.resume import AlreadyComplete
 from ray_jobs.runner import PreparedRun, prepare
 from ray_jobs.session import connect
 from ray_jobs.summary import TrainSummary
-from ray_jobs.train_workers import TrainingFailed
 
 
 def entry_point(
@@ -40,12 +43,18 @@ def entry_point(
         # After connecting, since Ray's core installs its own SIGTERM handler: SIGTERM (ray job
         # stop, kill, a scheduler) then ends the run like Ctrl-C.
         summary = run_until_interrupted(lambda: run(prepared, scaling))
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    except AlreadyComplete as done:
+        print(done)
+        return 0
     except TrainingFailed as error:
         print(f"error: training failed: {error}", file=sys.stderr)
         return 1
+    except RayError as error:  # before ValueError: Ray re-raises a task's ValueError as one
+        print(f"error: training failed: {root_cause(error)}", file=sys.stderr)
+        return 1
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted: stopping the run's workers; the latest checkpoint is kept and "
               "a re-run with the same --name resumes", file=sys.stderr, flush=True)

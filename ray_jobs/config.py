@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from models import MODELS
 
 OPTIMIZERS = ("sgd", "adamw")
+TASKS = ("auto", "regression", "classification")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
 
 
@@ -36,11 +37,17 @@ class TrainConfig:
     feature_column: str = field(default="features", metadata=flag_doc("list<float> column of inputs", "data"))
     target_column: str = field(default="target", metadata=flag_doc(
         "list<float> column (regression) or integer column (classification)", "data"))
+    task: str = field(default="auto", metadata=flag_doc(
+        "auto: an integer target column is classification, floats regression", "data", choices=TASKS))
+    num_classes: int | None = field(default=None, metadata=flag_doc(
+        "classes K (labels 0..K-1)", "data", "the files' raypar.num_classes, else the largest label + 1"))
     # model
     model: str = field(default="seed-mlp", metadata=flag_doc("registry model name", "model", choices=sorted(MODELS)))
     hidden: int | None = field(default=None, metadata=flag_doc(
         "hidden width (seed-mlp, seed-split, mlp)", "model", "the model's: 10, 5, 64"))
     depth: int | None = field(default=None, metadata=flag_doc("number of Linear layers (mlp)", "model", "4"))
+    dropout: float | None = field(default=None, metadata=flag_doc(
+        "dropout probability after each hidden layer (mlp)", "model", "0, none"))
     init_from: str | None = field(default=None, metadata=flag_doc(
         "initial weights: a full state_dict (.pt) of the unsplit model", "model", "built after manual_seed(--seed)"))
     # training
@@ -73,6 +80,9 @@ class TrainConfig:
         if self.model not in MODELS:
             raise ValueError(f"--model {self.model!r} is unknown; valid models: {', '.join(sorted(MODELS))}")
         require_choice(self.optimizer, OPTIMIZERS, "optimizer")
+        require_choice(self.task, TASKS, "task")
+        require(self.num_classes is None or self.num_classes >= 2, "num_classes", self.num_classes, "at least 2")
+        require(self.dropout is None or 0 <= self.dropout < 1, "dropout", self.dropout, "in [0, 1)")
         for flag in ("epochs", "batch_size", "checkpoint_every", "num_checkpoints_to_keep"):
             require(getattr(self, flag) >= 1, flag, getattr(self, flag), "at least 1")
         for flag in ("hidden", "depth"):
@@ -85,8 +95,8 @@ class TrainConfig:
             raise ValueError("--momentum applies to --optimizer sgd only")
 
     @property
-    def model_options(self) -> dict[str, int | None]:
-        return {"hidden": self.hidden, "depth": self.depth}
+    def model_options(self) -> dict[str, float | None]:
+        return {"hidden": self.hidden, "depth": self.depth, "dropout": self.dropout}
 
 
 @dataclass

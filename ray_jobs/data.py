@@ -19,6 +19,7 @@ from ray_jobs.storage import resolve
 
 TASKS = ("regression", "classification")
 NUM_CLASSES_KEY = b"raypar.num_classes"
+CLASSES_FROM_LABELS = "the largest label + 1 (state --num-classes when a split may lack the top class)"
 
 
 @dataclass
@@ -29,6 +30,8 @@ class Dataset:
     targets: np.ndarray
     task: str
     num_classes: int | None = None
+    reason: str = ""
+    """Why ``task`` (and the class count) were chosen, for the run's first lines."""
 
     @property
     def num_rows(self) -> int:
@@ -92,41 +95,109 @@ def _fixed_width(column: pa.ChunkedArray, name: str) -> np.ndarray:
     return matrix
 
 
-def table_to_dataset(table: pa.Table, feature_column: str = "features", target_column: str = "target") -> Dataset:
-    """Validate a table and turn it into arrays; every problem is one ``ValueError`` line."""
+def table_to_dataset(
+    table: pa.Table,
+    feature_column: str = "features",
+    target_column: str = "target",
+    task: str = "auto",
+    num_classes: int | None = None,
+    stored_classes: int | None = None,
+) -> Dataset:
+    """Validate a table and turn it into arrays; every problem is one ``ValueError`` line.
+
+    ``task`` ``auto``: an integer target column is classification, floats are regression.
+    ``stored_classes``: the files' ``raypar.num_classes`` (default: this table's metadata).
+    """
     if table.num_rows == 0:
         raise ValueError("the dataset has no rows")
     features = _fixed_width(_column(table, feature_column, "--feature-column"), feature_column)
     target = _column(table, target_column, "--target-column")
-    if pa.types.is_integer(target.type):
-        labels = np.asarray(target.to_numpy(), dtype=np.int64)
-        if labels.min() < 0:
-            raise ValueError(f"column {target_column!r} has negative class labels; labels must be 0..K-1")
+    if stored_classes is None:
         stored = (table.schema.metadata or {}).get(NUM_CLASSES_KEY)
-        num_classes = int(stored) if stored else int(labels.max()) + 1
-        if labels.max() >= num_classes:
-            raise ValueError(f"column {target_column!r} has label {labels.max()} >= num_classes {num_classes}")
-        return Dataset(features, labels, "classification", num_classes)
-    if not (pa.types.is_list(target.type) or pa.types.is_large_list(target.type)
-            or pa.types.is_fixed_size_list(target.type)):
+        stored_classes = int(stored) if stored else None
+    kind = _target_kind(target.type)
+    if kind is None:
         raise ValueError(
             f"column {target_column!r} must be a list of floats (regression) or integers (classification), "
             f"got {target.type}"
         )
-    return Dataset(features, _fixed_width(target, target_column), "regression")
+    if task == "classification" and kind != "integer":
+        raise ValueError(f"--task classification needs an integer column of class labels; column "
+                         f"{target_column!r} holds {target.type}")
+    if task == "classification" or (task == "auto" and kind == "integer"):
+        return _classification(features, target, target_column, task, num_classes, stored_classes)
+    if num_classes is not None:
+        raise ValueError(f"--num-classes applies to classification; column {target_column!r} ({target.type}) "
+                         "is trained as regression")
+    if kind == "list":
+        targets = _fixed_width(target, target_column)
+        reason = f"column {target_column!r} holds lists of numbers"
+    else:  # one number per row: a target of width 1
+        targets = _fixed_width(pa.chunked_array([pa.FixedSizeListArray.from_arrays(
+            target.combine_chunks().cast(pa.float32()), 1)]), target_column)
+        reason = f"--task regression on the numbers of column {target_column!r}" if task == "regression" else \
+            f"column {target_column!r} holds floats"
+    return Dataset(features, targets, "regression", reason=reason)
 
 
-def read_dataset(path: str, feature_column: str = "features", target_column: str = "target") -> Dataset:
+def _target_kind(kind: pa.DataType) -> str | None:
+    if pa.types.is_integer(kind):
+        return "integer"
+    if pa.types.is_floating(kind):
+        return "float"
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        return "list"
+    return None
+
+
+def _classification(features: np.ndarray, target: pa.ChunkedArray, name: str, task: str,
+                    num_classes: int | None, stored_classes: int | None) -> Dataset:
+    labels = np.asarray(target.to_numpy(), dtype=np.int64)
+    if labels.min() < 0:
+        raise ValueError(f"column {name!r} has negative class labels; labels must be 0..K-1")
+    if num_classes is not None and stored_classes is not None and num_classes != stored_classes:
+        raise ValueError(f"--num-classes {num_classes} disagrees with the data's raypar.num_classes "
+                         f"{stored_classes}; drop the flag or fix the files' metadata")
+    if num_classes is not None:
+        classes, source = num_classes, "--num-classes"
+    elif stored_classes is not None:
+        classes, source = stored_classes, "the files' raypar.num_classes"
+    else:
+        classes, source = int(labels.max()) + 1, CLASSES_FROM_LABELS
+    if labels.max() >= classes:
+        raise ValueError(f"column {name!r} has label {labels.max()} >= num_classes {classes} ({source})")
+    why = "--task classification" if task == "classification" else f"column {name!r} holds integers"
+    return Dataset(features, labels, "classification", classes, f"{why}; {classes} classes from {source}")
+
+
+def read_dataset(path: str, feature_column: str = "features", target_column: str = "target",
+                 task: str = "auto", num_classes: int | None = None) -> Dataset:
     """Read a Parquet file or directory (local or URI) and validate it."""
     filesystem, fs_path = resolve(path)
     info = filesystem.get_file_info(fs_path)
     if info.type == pafs.FileType.NotFound:
         raise ValueError(f"--data {path}: no such file or directory")
     try:
+        stored = stored_num_classes(filesystem, fs_path, info.type == pafs.FileType.Directory)
         table = pq.read_table(fs_path, filesystem=filesystem, columns=None)
     except (pa.ArrowInvalid, OSError) as error:
         raise ValueError(f"--data {path}: not readable as Parquet ({str(error).splitlines()[0]})") from None
-    return table_to_dataset(table, feature_column, target_column)
+    return table_to_dataset(table, feature_column, target_column, task, num_classes, stored)
+
+
+def stored_num_classes(filesystem: pafs.FileSystem, path: str, is_directory: bool) -> int | None:
+    """``raypar.num_classes`` as every file's metadata states it; files that disagree are an error."""
+    files = pq.ParquetDataset(path, filesystem=filesystem).files if is_directory else [path]
+    stated = {}
+    for file in files:
+        value = (pq.read_schema(file, filesystem=filesystem).metadata or {}).get(NUM_CLASSES_KEY)
+        if value is not None:
+            stated[file] = int(value)
+    if len(set(stated.values())) > 1:
+        first, *_, other = sorted(stated.items(), key=lambda item: item[1])
+        raise ValueError(f"the data's files disagree on raypar.num_classes: {first[0]} says {first[1]}, "
+                         f"{other[0]} says {other[1]}; give them one value, or state --num-classes")
+    return next(iter(stated.values()), None)
 
 
 def synthesize(

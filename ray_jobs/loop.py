@@ -21,23 +21,29 @@ import torch.distributed as dist
 from torch import nn
 
 from models import build_model
+from ray_jobs import storage
 from ray_jobs.checkpoint import (
     TrainState,
+    checkpoint_name,
     latest_checkpoint,
     load_named_optimizer_state,
     named_optimizer_state,
-    save_checkpoint,
+    rng_state,
+    set_rng_state,
+    write_checkpoint,
 )
 from ray_jobs.config import TrainConfig
 from ray_jobs.data import Dataset
-from ray_jobs.runner import record_failure
+from ray_jobs.errors import Failure, describe
 from ray_jobs.readings import cpu_times, peak_rss_bytes, steal_fraction
+from ray_jobs.runner import record_failure
 from ray_jobs.training import (
     build_optimizer,
     epoch_order,
     global_batches,
     loss_function,
     non_finite_loss,
+    rank_seed,
     shard,
     train_step,
 )
@@ -52,10 +58,12 @@ class LoopConfig:
     initial_state: ray.ObjectRef
     wrap: Callable[[nn.Module, torch.device], nn.Module]
     num_threads: int
-    run_dir: str
+    run_dir: storage.Location
     crash_at_epoch: int | None = None
     """Fault injection for tests: on a run not resumed from a checkpoint, the worker process
     exits hard during this epoch, after the previous epoch's checkpoint was registered."""
+    fail_at_epoch: int | None = None
+    """Fault injection for tests: the last world rank raises during this epoch."""
 
 
 def train_loop_per_worker(raw: dict[str, Any]) -> None:
@@ -70,7 +78,8 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
     model.load_state_dict(ray.get(loop.initial_state))
     model.to(device)
     optimizer = build_optimizer(model.parameters(), cfg)
-    start = _restore(loop.run_dir, model, optimizer)
+    torch.manual_seed(rank_seed(cfg.seed, ctx.get_world_rank()))  # this rank's dropout draws
+    start = _restore(loop.run_dir, model, optimizer, cfg.seed, ctx.get_world_rank(), ctx.get_world_size())
     worker = _Worker(loop, cfg, dataset, device, loop.wrap(model, device), optimizer, ctx)
     mine = (ray.get_runtime_context().get_node_id(), ctx.get_node_rank())
     nodes, node_ranks = (list(column) for column in zip(*_gather(mine, ctx.get_world_size())))
@@ -81,7 +90,12 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
     num_samples, epoch_seconds, epoch_steal = 0, [], []
     for epoch in range(first_epoch, cfg.epochs):
         began, cpu = time.perf_counter(), cpu_times()
-        step_losses = worker.run_epoch(epoch, crash=loop.crash_at_epoch == epoch and start is None)
+        try:
+            if loop.fail_at_epoch == epoch and worker.world_rank == worker.world_size - 1:
+                raise RuntimeError("injected fault")
+            step_losses = worker.run_epoch(epoch, crash=loop.crash_at_epoch == epoch and start is None)
+        except Exception as error:  # only this rank knows where it failed: say so in the one line
+            raise Failure(describe(error, f"world rank {worker.world_rank}")) from error
         failure = non_finite_loss(step_losses, epoch)
         if failure:
             # Ray keeps only checkpointed reports' metrics, so the reason travels as a file.
@@ -98,8 +112,10 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
                       worker_peak_rss_bytes=_gather(peak_rss_bytes(), worker.world_size))
         if worker.world_rank == 0:
             print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {losses[-1]:.6f}", flush=True)
-        save = ((epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs) and worker.world_rank == 0
-        _report(report, _train_state(model, optimizer, epoch + 1, losses) if save else None)
+        checkpoint = (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs
+        rngs = _gather(rng_state(), worker.world_size) if checkpoint else []  # a collective: all ranks
+        _report(report, _train_state(model, optimizer, epoch + 1, losses, rngs)
+                if checkpoint and worker.world_rank == 0 else None)
 
 
 class _Worker:
@@ -130,13 +146,17 @@ class _Worker:
         return _mean_over_workers(step_losses, self.world_size).cpu().tolist()
 
 
-def _restore(run_dir: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainState | None:
+def _restore(run_dir: storage.Location, model: nn.Module, optimizer: torch.optim.Optimizer, seed: int,
+             world_rank: int, world_size: int) -> TrainState | None:
     state = latest_checkpoint(run_dir)
     if state is None:
         return None
     model.load_state_dict(state.model)
     load_named_optimizer_state(optimizer, dict(model.named_parameters()), state.optimizer)
-    torch.set_rng_state(state.rng)
+    if len(state.rng) == world_size:
+        set_rng_state(state.rng[world_rank])
+    else:  # taken with another worker count: a fresh, still deterministic stream
+        torch.manual_seed(rank_seed(seed, world_rank, state.epochs_completed))
     return state
 
 
@@ -146,13 +166,18 @@ def _report(metrics: dict[str, Any], state: TrainState | None) -> None:
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory(prefix="raypar-ckpt-") as directory:
-        save_checkpoint(state, directory)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+        write_checkpoint(directory, state)
+        # Named by progress: resume and model.pt take the checkpoint with the most work done.
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
+                         checkpoint_dir_name=checkpoint_name(state.epochs_completed, state.step))
 
 
-def _train_state(model: nn.Module, optimizer: torch.optim.Optimizer, epochs: int, losses: list[float]) -> TrainState:
-    weights = {key: value.detach().cpu().clone() for key, value in model.state_dict().items()}
-    return TrainState(weights, named_optimizer_state(optimizer, dict(model.named_parameters())), epochs, losses)
+def _train_state(model: nn.Module, optimizer: torch.optim.Optimizer, epochs: int, losses: list[float],
+                 rngs: list[dict[str, Any]]) -> TrainState:
+    # No copy: the checkpoint is written before the next step changes these tensors.
+    weights = {key: value.detach().cpu() for key, value in model.state_dict().items()}
+    return TrainState(weights, named_optimizer_state(optimizer, dict(model.named_parameters())), epochs, losses,
+                      rngs)
 
 
 def _mean_over_workers(value: torch.Tensor, world_size: int) -> torch.Tensor:

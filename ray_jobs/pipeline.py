@@ -16,27 +16,27 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 
 import torch
+from ray.exceptions import RayTaskError
 
 from models import build_model, split_into_stages
 from ray_jobs import interrupts, storage
-from ray_jobs.checkpoint import TrainState, latest_checkpoint, to_bytes
+from ray_jobs.checkpoint import TrainState, checkpoint_name, latest_checkpoint, prune_checkpoints, write_checkpoint
 from ray_jobs.cli import entry_point
 from ray_jobs.config import PLACEMENT_STRATEGIES, TrainConfig, flag_doc, require, require_choice, require_divisible
+from ray_jobs.errors import TrainingFailed, root_cause
 from ray_jobs.pipeline_timing import PipelineTiming
 from ray_jobs.preflight import wait_for_bundles
 from ray_jobs.runner import PreparedRun, finish, record_failure
 from ray_jobs.schedules import SCHEDULES
-from ray_jobs.stage_group import StageGroup
+from ray_jobs.stage import stage_keys
+from ray_jobs.stage_group import StageGroup, StartFailed
 from ray_jobs.summary import TrainSummary
-from ray_jobs.train_workers import TrainingFailed
 from ray_jobs.training import epoch_order, global_batches, non_finite_loss
 from ray_jobs.transports import STAGE_FAILURES, TRANSPORTS, BatchTimeout
 
 # This module holds the flags, the attempts (retries from the latest checkpoint) and the epoch
 # loop; the stage actor is stage.py, their placement and failure probing stage_group.py, the
 # transports transports.py, the time accounting pipeline_timing.py.
-
-EPOCH_PREFIX = "checkpoint_epoch_"
 # Actor calls (of --batches-per-call batches each) in flight at once; more only holds more
 # activations, the overlap is the same.
 MAX_INFLIGHT_CALLS = 2
@@ -128,14 +128,6 @@ def train_epoch(stages: StageGroup, batches: list[torch.Tensor], batch_timeout_s
     return losses
 
 
-def save_pipeline_checkpoint(run_dir: str, state: TrainState, num_to_keep: int) -> None:
-    name = f"{EPOCH_PREFIX}{state.epochs_completed:06d}"
-    storage.write_bytes(storage.join(run_dir, name, "checkpoint.pt"), to_bytes(state))
-    kept = [n for n in storage.list_dir(run_dir) if n.startswith(EPOCH_PREFIX)]
-    for old in kept[:-num_to_keep]:
-        storage.delete_dir(storage.join(run_dir, old))
-
-
 @dataclass
 class Attempt:
     """Progress of one attempt; what survives a restart is only what was checkpointed."""
@@ -146,13 +138,14 @@ class Attempt:
 
 
 def _train_epochs(stages: StageGroup, prepared: PreparedRun, attempt: Attempt, scaling: PipelineScaling,
-                  crash_at_epoch: int | None) -> None:
+                  faults: dict) -> None:
     cfg, state = prepared.cfg, attempt.state
     for epoch in range(state.epochs_completed, cfg.epochs):
         began = time.perf_counter()
         batches = global_batches(epoch_order(prepared.dataset.num_rows, cfg.seed, epoch, cfg.shuffle), cfg.batch_size)
-        if crash_at_epoch == epoch and attempt.resumed_from_epoch is None:
-            stages.actors[-1].crash.remote()
+        fault = {faults.get("crash_at_epoch"): "crash", faults.get("fail_at_epoch"): "fail_next_forward"}.get(epoch)
+        if fault and attempt.resumed_from_epoch is None:
+            getattr(stages.actors[-1], fault).remote()
         losses = train_epoch(stages, batches, scaling.batch_timeout_s)
         failure = non_finite_loss(losses, epoch)
         if failure:
@@ -163,21 +156,29 @@ def _train_epochs(stages: StageGroup, prepared: PreparedRun, attempt: Attempt, s
         state.epochs_completed = epoch + 1
         print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {state.losses[-1]:.6f}", flush=True)
         if state.epochs_completed % cfg.checkpoint_every == 0 or state.epochs_completed == cfg.epochs:
-            state.model, state.optimizer = stages.gather_state()
-            save_pipeline_checkpoint(prepared.run_dir, state, cfg.num_checkpoints_to_keep)
+            state.model, state.optimizer, state.rng = stages.gather_state()
+            write_checkpoint(storage.join(prepared.run_dir, checkpoint_name(state.epochs_completed)), state)
+            prune_checkpoints(prepared.run_dir, cfg.num_checkpoints_to_keep)
 
 
-def _start_attempt(stages: StageGroup, prepared: PreparedRun) -> Attempt:
+def _start_attempt(stages: StageGroup, prepared: PreparedRun, keys: list[set[str]]) -> Attempt:
     checkpoint = latest_checkpoint(prepared.run_dir)
     if checkpoint is None:
         return Attempt(TrainState(dict(prepared.initial_state), {}, 0, []), None)
-    stages.restore(checkpoint)
+    stages.restore(checkpoint, keys)
     print(f"[raypar] resuming from the checkpoint after epoch {checkpoint.epochs_completed}", flush=True)
     return Attempt(checkpoint, checkpoint.epochs_completed)
 
 
-def run(prepared: PreparedRun, scaling: PipelineScaling, crash_at_epoch: int | None = None) -> TrainSummary:
-    """Train ``prepared`` on a pipeline of stage actors; Ray must be connected."""
+def run(prepared: PreparedRun, scaling: PipelineScaling, crash_at_start: bool = False, **faults) -> TrainSummary:
+    """Train ``prepared`` on a pipeline of stage actors; Ray must be connected.
+
+    Each attempt, its start included (placement, stage actors, process group), ends in the
+    latest checkpoint's state or a restart, up to ``--max-failures``; a stage's own error (not
+    a lost stage) ends the run with that error, named by stage. Faults for tests, all in the last
+    stage and the first attempt: ``crash_at_start`` (it dies while the stages start),
+    ``crash_at_epoch=E`` (it dies in epoch E), ``fail_at_epoch=E`` (its forward raises in epoch E).
+    """
     cfg = prepared.cfg
     scaling.check(cfg)
     if scaling.num_microbatches < scaling.num_stages:
@@ -185,19 +186,24 @@ def run(prepared: PreparedRun, scaling: PipelineScaling, crash_at_epoch: int | N
                       "the pipeline can never fill, some stages always idle", stacklevel=2)
     wait_for_bundles(scaling.bundles, scaling.placement_strategy, f"--num-stages {scaling.num_stages}",
                      cfg.resource_timeout)
+    keys = stage_keys(cfg, prepared.dataset, scaling.num_stages)
     for failures in range(cfg.max_failures + 1):
-        stages = StageGroup(prepared, scaling)
+        stages = None
         try:
-            attempt = _start_attempt(stages, prepared)
-            _train_epochs(stages, prepared, attempt, scaling, crash_at_epoch)
+            stages = StageGroup(prepared, scaling, crash_on_start=crash_at_start and failures == 0)
+            attempt = _start_attempt(stages, prepared, keys)
+            _train_epochs(stages, prepared, attempt, scaling, faults)
             return _finish(prepared, scaling, stages, attempt)
-        except STAGE_FAILURES as error:
-            reason = stages.describe_failure(error)
+        except (StartFailed, *STAGE_FAILURES) as error:
+            reason = str(error) if stages is None else stages.describe_failure(error)
             if failures == cfg.max_failures:
                 raise TrainingFailed(f"{reason}; --max-failures {cfg.max_failures} exhausted") from error
             print(f"[raypar] {reason}; restarting the pipeline from the latest checkpoint", flush=True)
+        except RayTaskError as error:
+            raise TrainingFailed(root_cause(error)) from error
         finally:
-            stages.shutdown()
+            if stages is not None:
+                stages.shutdown()
     raise AssertionError("unreachable")
 
 
@@ -209,6 +215,7 @@ def _finish(prepared: PreparedRun, scaling: PipelineScaling, stages: StageGroup,
         "num_stages": scaling.num_stages,
         "num_microbatches": scaling.num_microbatches,
         **attempt.timing.report(scaling.schedule, scaling.num_stages, scaling.num_microbatches),
+        **{f"stage_peak_{key}": [memory[key] for memory in stages.peak_memory()] for key in ("rss_bytes", "device_bytes")},
     }
     metrics = {"samples_per_second": attempt.timing.samples_per_second,
                "resumed_from_epoch": attempt.resumed_from_epoch}

@@ -5,7 +5,6 @@ leaves nothing in the run directory.
 """
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -17,6 +16,7 @@ from ray_jobs import storage
 from ray_jobs.checkpoint import TrainState
 from ray_jobs.config import TrainConfig
 from ray_jobs.data import Dataset, read_dataset, synthesize, table_to_dataset
+from ray_jobs.resume import check_rerun, record_settings
 from ray_jobs.summary import TrainSummary
 from ray_jobs.training import check_batch_fits, initial_model
 
@@ -44,22 +44,28 @@ class PreparedRun:
 def load_data(cfg: TrainConfig) -> Dataset:
     if cfg.data is None:
         table = synthesize(SYNTHETIC_ROWS, SYNTHETIC_IN, SYNTHETIC_OUT, "regression", cfg.seed)
-        return table_to_dataset(table)
-    return read_dataset(cfg.data, cfg.feature_column, cfg.target_column)
+        return table_to_dataset(table, task=cfg.task, num_classes=cfg.num_classes)
+    return read_dataset(cfg.data, cfg.feature_column, cfg.target_column, cfg.task, cfg.num_classes)
 
 
 def prepare(cfg: TrainConfig, strategy: str) -> PreparedRun:
-    """Everything that can be checked without Ray: data, model, initial weights, storage."""
+    """Everything that can be checked without Ray: a re-run's settings, data, model, initial
+    weights, storage. Raises ``AlreadyComplete`` for a finished run re-run with its settings."""
+    name = cfg.name or f"{strategy}-{datetime.now():%Y%m%d-%H%M%S}"
+    if "/" in name or "?" in name:
+        raise ValueError(f"--name {name!r} must not contain '/' or '?'")
+    storage_path = storage.absolute(cfg.storage_path)
+    run_dir = storage.join(storage_path, name)
+    check_rerun(cfg, name, run_dir)
     dataset = load_data(cfg)
     check_batch_fits(cfg, dataset)
     model = initial_model(cfg, dataset)
-    name = cfg.name or f"{strategy}-{datetime.now():%Y%m%d-%H%M%S}"
-    if "/" in name:
-        raise ValueError(f"--name {name!r} must not contain '/'")
-    storage_path = storage.absolute(cfg.storage_path)
+    if cfg.task == "auto":
+        print(f"[raypar] task: {dataset.task} ({dataset.reason}; --task to choose)", flush=True)
     prepared = PreparedRun(cfg, strategy, dataset, model.state_dict(), name, storage_path)
-    storage.check_writable(prepared.run_dir)
-    storage.delete_file(storage.join(prepared.run_dir, FAILURE_FILE))  # a past attempt's reason
+    storage.check_writable(run_dir)
+    record_settings(cfg, strategy, run_dir)
+    storage.delete_file(storage.join(run_dir, FAILURE_FILE))  # a past attempt's reason
     return prepared
 
 
@@ -87,9 +93,7 @@ def finish(
         worker_nodes=metrics.get("worker_nodes"),
         extra=extra or {},
     )
-    buffer = io.BytesIO()
-    torch.save(final.model, buffer)
-    storage.write_bytes(storage.join(prepared.run_dir, "model.pt"), buffer.getvalue())
+    storage.write(storage.join(prepared.run_dir, "model.pt"), lambda stream: torch.save(final.model, stream))
     storage.write_bytes(storage.join(prepared.run_dir, "summary.json"), summary.to_json().encode())
     return summary
 

@@ -7,6 +7,7 @@ optimizer steps once per global batch, as in single-process training.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
 import time
@@ -18,16 +19,32 @@ import torch
 import torch.distributed as dist
 
 from models import build_model, split_into_stages
-from ray_jobs.checkpoint import TrainState, load_named_optimizer_state, named_optimizer_state
+from ray_jobs.checkpoint import TrainState, load_named_optimizer_state, named_optimizer_state, rng_state, set_rng_state
 from ray_jobs.config import TrainConfig
 from ray_jobs.data import Dataset
+from ray_jobs.errors import Failure, describe
+from ray_jobs.readings import peak_rss_bytes
 from ray_jobs.schedules import FORWARD, SCHEDULES, peak_live_activations
-from ray_jobs.training import build_optimizer, loss_function, microbatches
+from ray_jobs.training import build_optimizer, loss_function, microbatches, rank_seed
 
 # Receives posted ahead of need (p2p transport), at least; see ``receives_ahead``.
 MIN_RECEIVES_AHEAD = 2
 # Seconds in gloo's send, receive-post and send-wait calls: the p2p transport's own cost.
 CALLS = "p2p_calls_s"
+
+
+def _described(method):
+    """Re-raise a stage's own error as one line naming the stage (CUDA OOM by name); a lost
+    peer stays ``PeerLost``, which the driver answers with a restart."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (PeerLost, Failure):  # lost peers are the driver's to answer; a Failure is described
+            raise
+        except Exception as error:
+            raise Failure(describe(error, f"stage {self.stage_index}")) from error
+    return wrapper
 
 
 class StageWorker:
@@ -38,7 +55,7 @@ class StageWorker:
         num_microbatches: int,
         train: dict[str, Any],
         dataset: Dataset,
-        initial_state: dict[str, torch.Tensor],
+        initial_slice: dict[str, torch.Tensor],
         num_threads: int,
         use_gpu: bool,
         device_transport: bool = False,
@@ -49,15 +66,15 @@ class StageWorker:
         # With a GPU-to-GPU channel (compiled graph + nccl) tensors stay on the device;
         # otherwise they cross process boundaries as CPU tensors.
         self.device_transport = device_transport
-        self.stage_index, self.num_stages = stage_index, num_stages
+        self.stage_index, self.num_stages, self.seed = stage_index, num_stages, cfg.seed
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.num_microbatches = num_microbatches
-        model = build_model(cfg.model, dataset.in_features, dataset.out_features, **cfg.model_options)
-        model.load_state_dict(initial_state)
-        stages = split_into_stages(model, num_stages)
+        stages = meta_stages(cfg, dataset, num_stages)
         # What crosses each cut, per row: a receiver must know the shape before the bytes arrive.
         self.boundary_shapes = _boundary_shapes(stages, dataset.in_features)
-        self.module = stages[stage_index].to(self.device)
+        # Only this stage's layers ever get memory: the whole model exists on the meta device.
+        self.module = stages[stage_index].to_empty(device=self.device)
+        self.module.load_state_dict(initial_slice)
         self.optimizer = build_optimizer(self.module.parameters(), cfg)
         self.loss_fn = loss_function(dataset.task)
         features, targets = dataset.tensors()
@@ -66,11 +83,16 @@ class StageWorker:
         self.alive: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.loss_sum = torch.zeros(())
         self.timing = _new_timing()
+        self.fail_forward = False
+        torch.manual_seed(rank_seed(cfg.seed, stage_index))  # this stage's dropout draws
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    @_described
     def forward(self, microbatch: int, activation: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+        if self.fail_forward:
+            raise RuntimeError("injected fault")
         began = time.perf_counter()
         if self.is_first:
             x = self.features[rows].to(self.device)
@@ -87,6 +109,7 @@ class StageWorker:
         self._record_op(began)
         return None if self.is_last else self._send(out.detach())
 
+    @_described
     def backward(self, microbatch: int, grad: torch.Tensor | None) -> torch.Tensor | None:
         """``grad`` is the next stage's input gradient; the last stage ignores it (its own
         forward's output is passed only as a dependency in a compiled graph)."""
@@ -107,6 +130,7 @@ class StageWorker:
     def _send(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self.device_transport else tensor.cpu()
 
+    @_described
     def step(self, *_dependencies) -> float:
         """Apply the accumulated gradient; returns this batch's mean loss (last stage) or 0."""
         if self.alive:
@@ -131,6 +155,7 @@ class StageWorker:
             probe.bind((ip, 0))
             return f"tcp://{ip}:{probe.getsockname()[1]}"
 
+    @_described
     def join_group(self, address: str, schedule: str, timeout_s: float) -> None:
         """Join the stages' gloo process group; ``timeout_s`` bounds every receive, so a stage
         whose peer died fails instead of waiting for ever."""
@@ -139,6 +164,7 @@ class StageWorker:
         self.ops = SCHEDULES[schedule](self.num_stages, self.num_microbatches)[self.stage_index]
         self.receives_ahead = receives_ahead(self.ops)
 
+    @_described
     def run_batches(self, batches: torch.Tensor) -> list[float]:
         """Several global batches in one actor call, one after another; returns each batch's
         loss. ``batches``: one global batch's row indices per row. A call per batch leaves a
@@ -210,18 +236,45 @@ class StageWorker:
         timing, self.timing = self.timing, _new_timing()
         return timing
 
-    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        weights = {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
-        return weights, named_optimizer_state(self.optimizer, dict(self.module.named_parameters()))
+    def state(self) -> tuple[dict[str, torch.Tensor], dict, dict[str, Any]]:
+        """This stage's weights, optimizer state and RNG state; Ray copies them out as it sends them."""
+        weights = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+        return weights, named_optimizer_state(self.optimizer, dict(self.module.named_parameters())), rng_state()
 
+    @_described
     def restore(self, state: TrainState) -> None:
-        own = self.module.state_dict().keys()
-        self.module.load_state_dict({k: v for k, v in state.model.items() if k in own})
+        """Restore this stage's slice of a checkpoint (``slice_state``)."""
+        self.module.load_state_dict(state.model)
         load_named_optimizer_state(self.optimizer, dict(self.module.named_parameters()), state.optimizer)
+        if state.rng:
+            set_rng_state(state.rng[0])
+        else:  # taken with another stage count: a fresh, still deterministic stream
+            torch.manual_seed(rank_seed(self.seed, self.stage_index, state.epochs_completed))
+
+    def peak_memory(self) -> dict[str, int | None]:
+        """Peak resident memory of this stage's process, and its GPU's peak allocation."""
+        device = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        return {"rss_bytes": peak_rss_bytes(), "device_bytes": device}
 
     def crash(self) -> None:
         """Fault injection for tests: the actor's process dies as if killed."""
         os._exit(1)
+
+    def fail_next_forward(self) -> None:
+        """Fault injection for tests: the next forward raises, as a bug or a bad input would."""
+        self.fail_forward = True
+
+
+def meta_stages(cfg: TrainConfig, dataset: Dataset, num_stages: int) -> list[torch.nn.Module]:
+    """The model cut into stages on the meta device: shapes and names, no memory."""
+    with torch.device("meta"):
+        model = build_model(cfg.model, dataset.in_features, dataset.out_features, **cfg.model_options)
+    return split_into_stages(model, num_stages)
+
+
+def stage_keys(cfg: TrainConfig, dataset: Dataset, num_stages: int) -> list[set[str]]:
+    """Each stage's ``state_dict`` keys: what of a full state each stage is sent."""
+    return [set(stage.state_dict()) for stage in meta_stages(cfg, dataset, num_stages)]
 
 
 def _new_timing() -> dict[str, float]:
@@ -250,8 +303,8 @@ def _tag(op, num_microbatches: int) -> int:
 
 
 def _boundary_shapes(stages: list[torch.nn.Module], in_features: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Per-row shape and dtype of each stage's output, from one probe row through the (CPU) stages."""
-    shapes, x = [], torch.zeros(1, in_features)
+    """Per-row shape and dtype of each stage's output, from one probe row through the meta stages."""
+    shapes, x = [], torch.zeros(1, in_features, device="meta")
     with torch.no_grad():
         for stage in stages[:-1]:
             x = stage(x)

@@ -8,49 +8,61 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ray_jobs.checkpoint import TrainState, merge_named_optimizer_states
+from ray_jobs.checkpoint import TrainState, merge_named_optimizer_states, slice_state
+from ray_jobs.errors import TrainingFailed
 from ray_jobs.runner import PreparedRun
-from ray_jobs.stage import StageWorker
-from ray_jobs.train_workers import TrainingFailed
-from ray_jobs.transports import TransportFailed, connect, resolve_transport
+from ray_jobs.stage import StageWorker, stage_keys
+from ray_jobs.transports import STAGE_FAILURES, TransportFailed, connect, resolve_transport
 
-PLACEMENT_TIMEOUT_S = 120.0
 PROBE_TIMEOUT_S = 10.0  # how long a failed pipeline waits for its stages to answer "are you alive"
+
+
+class StartFailed(TrainingFailed):
+    """An attempt's start failed (placement, a stage that died, a group that never formed):
+    like a stage lost mid-run, it costs one of ``--max-failures``."""
 
 
 class StageGroup:
     """One placement-group bundle and one ``StageWorker`` actor per stage, and the transport
-    between them."""
+    between them. A start that fails removes everything it created before raising."""
 
-    def __init__(self, prepared: PreparedRun, scaling) -> None:
+    def __init__(self, prepared: PreparedRun, scaling, crash_on_start: bool = False) -> None:
         self.scaling = scaling
         self.group = placement_group(scaling.bundles, strategy=scaling.placement_strategy)
         self.actors: list = []
+        self.nodes: list[str] = []
         self.transport = None
         try:
-            self._start_all(prepared)
+            self._start_all(prepared, crash_on_start)
+        except STAGE_FAILURES as error:
+            reason = self.describe_failure(error)
+            self.shutdown()
+            raise StartFailed(f"{reason}, while the stages started") from error
         except BaseException:
-            self.shutdown()  # nothing of a failed start may outlive it
+            self.shutdown()
             raise
 
-    def _start_all(self, prepared: PreparedRun) -> None:
-        scaling = self.scaling
-        ready, _ = ray.wait([self.group.ready()], timeout=PLACEMENT_TIMEOUT_S)
+    def _start_all(self, prepared: PreparedRun, crash_on_start: bool) -> None:
+        scaling, timeout = self.scaling, prepared.cfg.resource_timeout
+        ready, _ = ray.wait([self.group.ready()], timeout=timeout)
         if not ready:
-            raise TrainingFailed(f"the {scaling.num_stages} stage bundles {scaling.bundles[0]} were not placed "
-                                 f"within {PLACEMENT_TIMEOUT_S:.0f} s ({scaling.placement_strategy})")
+            raise StartFailed(f"the {scaling.num_stages} stage bundles {scaling.bundles[0]} were not placed "
+                              f"within --resource-timeout {timeout:g} s ({scaling.placement_strategy})")
         requested = resolve_transport(scaling, _bundle_nodes(self.group))
         device_transport = scaling.use_gpu and requested == "compiled"
-        dataset, initial = ray.put(prepared.dataset), ray.put(prepared.initial_state)
-        self.actors = [self._start(index, prepared, dataset, initial, device_transport)
-                       for index in range(scaling.num_stages)]
+        keys = stage_keys(prepared.cfg, prepared.dataset, scaling.num_stages)
+        dataset = ray.put(prepared.dataset)
+        self.actors = [self._start(index, prepared, dataset, {k: prepared.initial_state[k] for k in keys[index]},
+                                   device_transport) for index in range(scaling.num_stages)]
         self.nodes = ray.get([actor.node_id.remote() for actor in self.actors])
+        if crash_on_start:
+            self.actors[-1].crash.remote()
         try:
             self.transport = connect(requested, self.actors, self.nodes, scaling, device_transport)
         except TransportFailed as error:
-            raise TrainingFailed(f"{error} (stages on nodes {self.nodes})") from error
+            raise StartFailed(f"{error} (stages on nodes {self.nodes})") from error
 
-    def _start(self, index: int, prepared: PreparedRun, dataset, initial, device_transport: bool):
+    def _start(self, index: int, prepared: PreparedRun, dataset, initial_slice: dict, device_transport: bool):
         options = dict(
             num_cpus=self.scaling.cpus_per_stage,
             num_gpus=1 if self.scaling.use_gpu else 0,
@@ -58,21 +70,28 @@ class StageGroup:
         )
         actor_cls = ray.remote(StageWorker).options(**options)
         return actor_cls.remote(
-            index, self.scaling.num_stages, self.scaling.num_microbatches, asdict(prepared.cfg), dataset, initial,
-            max(1, int(self.scaling.cpus_per_stage)), self.scaling.use_gpu, device_transport,
+            index, self.scaling.num_stages, self.scaling.num_microbatches, asdict(prepared.cfg), dataset,
+            initial_slice, max(1, int(self.scaling.cpus_per_stage)), self.scaling.use_gpu, device_transport,
         )
 
-    def gather_state(self) -> tuple[dict, dict]:
-        """The unsplit model's weights and optimizer state, from every stage's slice."""
+    def gather_state(self) -> tuple[dict, dict, list]:
+        """The unsplit model's weights and optimizer state from every stage's slice, and each
+        stage's RNG state."""
         parts = ray.get([actor.state.remote() for actor in self.actors])
-        weights = {k: v for stage_weights, _ in parts for k, v in stage_weights.items()}
-        return weights, merge_named_optimizer_states([optimizer for _, optimizer in parts])
+        weights = {k: v for stage_weights, _, _ in parts for k, v in stage_weights.items()}
+        return weights, merge_named_optimizer_states([optimizer for _, optimizer, _ in parts]), [rng for *_, rng in parts]
 
     def take_timing(self) -> list[dict[str, float]]:
         return ray.get([actor.take_timing.remote() for actor in self.actors])
 
-    def restore(self, state: TrainState) -> None:
-        ray.get([actor.restore.remote(state) for actor in self.actors])
+    def peak_memory(self) -> list[dict[str, int | None]]:
+        return ray.get([actor.peak_memory.remote() for actor in self.actors])
+
+    def restore(self, state: TrainState, keys: list[set[str]]) -> None:
+        """Send each stage its own slice of ``state``, never the whole."""
+        num_stages = len(self.actors)
+        ray.get([actor.restore.remote(slice_state(state, keys[index], index, num_stages))
+                 for index, actor in enumerate(self.actors)])
 
     def describe_failure(self, error: Exception) -> str:
         """Name the dead stage by probing every actor at once: the error alone does not say
@@ -89,7 +108,8 @@ class StageGroup:
                 ray.get(ready[0])
             except Exception:  # the actor is gone
                 index = probes[ready[0]]
-                return f"stage {index} actor on node {self.nodes[index]} died"
+                node = self.nodes[index] if index < len(self.nodes) else "(not started)"
+                return f"stage {index} actor on node {node} died"
         cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         silent = sorted(probes[ref] for ref in waiting)
         if silent:

@@ -1,46 +1,91 @@
-"""Small file I/O over local paths and pyarrow.fs URIs (s3://, gs://), used for run outputs."""
+"""Small file I/O over local paths and pyarrow.fs URIs (s3://, gs://), used for run outputs.
+
+A URI may carry pyarrow's options as a query (``s3://bucket/runs?endpoint_override=host:9000&scheme=http``,
+``?region=...``): path parts are joined before the query, which stays with the URI. A ``Location``
+is a URI resolved once on the driver: its filesystem pickles with those options, so a Ray worker
+reaches the same place whatever its own environment (``AWS_ENDPOINT_URL`` included).
+"""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Union
 
 import pyarrow.fs as pafs
 
 
-def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
-    if "://" not in uri:
-        return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
-    return pafs.FileSystem.from_uri(uri)
+@dataclass(frozen=True)
+class Location:
+    """A place on a resolved filesystem."""
+
+    filesystem: pafs.FileSystem
+    path: str
+
+    def __str__(self) -> str:
+        return self.path
+
+
+Target = Union[str, Location]
+
+
+def locate(uri: str) -> Location:
+    """Resolve ``uri`` now, on this process, into a ``Location`` to hand to other processes."""
+    return Location(*resolve(uri))
+
+
+def resolve(target: Target) -> tuple[pafs.FileSystem, str]:
+    if isinstance(target, Location):
+        return target.filesystem, target.path
+    if "://" not in target:
+        return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(target))
+    return pafs.FileSystem.from_uri(target)
 
 
 def absolute(uri: str) -> str:
-    """A storage path as Ray's RunConfig wants it: an absolute local path or an unchanged URI."""
+    """A storage path as an absolute local path or an unchanged URI."""
     return uri if "://" in uri else os.path.abspath(os.path.expanduser(uri))
 
 
-def join(base: str, *parts: str) -> str:
-    return "/".join([base.rstrip("/"), *parts])
+def join(base: Target, *parts: str) -> Target:
+    """``base/part/...``; a URI's query stays at its end."""
+    if isinstance(base, Location):
+        return Location(base.filesystem, "/".join([base.path.rstrip("/"), *parts]))
+    path, query = base.split("?", 1) if "://" in base and "?" in base else (base, None)
+    joined = "/".join([path.rstrip("/"), *parts])
+    return f"{joined}?{query}" if query is not None else joined
 
 
-def read_bytes(uri: str) -> bytes:
-    filesystem, path = resolve(uri)
+def without_query(uri: str) -> str:
+    """``uri`` as a user reads it, without pyarrow's options."""
+    return uri.split("?", 1)[0]
+
+
+def read_bytes(target: Target) -> bytes:
+    filesystem, path = resolve(target)
     if filesystem.get_file_info(path).type != pafs.FileType.File:
-        raise FileNotFoundError(uri)
+        raise FileNotFoundError(str(target))
     with filesystem.open_input_stream(path) as stream:
         return stream.read()
 
 
-def write_bytes(uri: str, data: bytes) -> None:
-    """Write via a temporary name and a move, so a crash never leaves a half-written file."""
-    filesystem, path = resolve(uri)
+def write(target: Target, writer: Callable[[object], None]) -> None:
+    """Call ``writer(stream)`` on a temporary name, then move it into place, so a crash never
+    leaves a half-written file and a large object is serialised straight into the stream."""
+    filesystem, path = resolve(target)
     filesystem.create_dir(path.rsplit("/", 1)[0], recursive=True)
     partial = path + ".partial"
     with filesystem.open_output_stream(partial) as stream:
-        stream.write(data)
+        writer(stream)
     filesystem.move(partial, path)
 
 
-def exists(uri: str) -> bool:
-    filesystem, path = resolve(uri)
+def write_bytes(target: Target, data: bytes) -> None:
+    write(target, lambda stream: stream.write(data))
+
+
+def exists(target: Target) -> bool:
+    filesystem, path = resolve(target)
     return filesystem.get_file_info(path).type != pafs.FileType.NotFound
 
 
@@ -52,24 +97,25 @@ def check_writable(uri: str) -> None:
         filesystem, path = resolve(probe)
         filesystem.delete_file(path)
     except OSError as error:
-        raise ValueError(f"--storage-path {uri} is not writable ({str(error).splitlines()[0]})") from None
+        raise ValueError(f"--storage-path {without_query(uri)} is not writable "
+                         f"({str(error).splitlines()[0]})") from None
 
 
-def list_dir(uri: str) -> list[str]:
-    """Names directly under ``uri``; empty when it does not exist."""
-    filesystem, path = resolve(uri)
+def list_dir(target: Target) -> list[str]:
+    """Names directly under ``target``; empty when it does not exist."""
+    filesystem, path = resolve(target)
     if filesystem.get_file_info(path).type != pafs.FileType.Directory:
         return []
     return sorted(info.base_name for info in filesystem.get_file_info(pafs.FileSelector(path)))
 
 
-def delete_dir(uri: str) -> None:
-    filesystem, path = resolve(uri)
+def delete_dir(target: Target) -> None:
+    filesystem, path = resolve(target)
     filesystem.delete_dir(path)
 
 
-def delete_file(uri: str) -> None:
+def delete_file(target: Target) -> None:
     """Delete a file if it exists."""
-    filesystem, path = resolve(uri)
+    filesystem, path = resolve(target)
     if filesystem.get_file_info(path).type == pafs.FileType.File:
         filesystem.delete_file(path)

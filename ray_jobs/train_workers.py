@@ -14,19 +14,19 @@ from dataclasses import asdict
 import ray
 import torch
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.v2.api.config import LoggingConfig
 from ray.train.torch import TorchTrainer
+from ray.train.v2.api.config import LoggingConfig
 from torch import nn
 
-from ray_jobs import interrupts
+from ray_jobs import interrupts, storage
 from ray_jobs.checkpoint import latest_checkpoint
 from ray_jobs.config import WorkerScaling
+from ray_jobs.errors import TrainingFailed, root_cause
 from ray_jobs.loop import LoopConfig, train_loop_per_worker
 from ray_jobs.preflight import wait_for_bundles
 from ray_jobs.runner import PreparedRun, finish, recorded_failure
 from ray_jobs.session import WORKER_ENV
 from ray_jobs.summary import TrainSummary
-
 
 # Ray Train's controller polls its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by
 # default), and a worker's report waits until the controller has taken the one before: epochs
@@ -38,15 +38,12 @@ CONTROLLER_POLL_S = "0.5"
 CONTROLLER_POLL_VARIABLE = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 
 
-class TrainingFailed(RuntimeError):
-    """The run ended with an error; its message is the root cause, in one line."""
-
-
 def run_workers(
     prepared: PreparedRun,
     scaling: WorkerScaling,
     wrap: Callable[[nn.Module, torch.device], nn.Module],
     crash_at_epoch: int | None = None,
+    fail_at_epoch: int | None = None,
 ) -> TrainSummary:
     """Train ``prepared`` with ``scaling.num_workers`` Ray Train workers; Ray must be connected."""
     cfg = prepared.cfg
@@ -59,8 +56,9 @@ def run_workers(
         initial_state=ray.put(prepared.initial_state),
         wrap=wrap,
         num_threads=max(1, int(scaling.cpus_per_worker)),
-        run_dir=prepared.run_dir,
+        run_dir=storage.locate(prepared.run_dir),  # the driver's filesystem settings travel with it
         crash_at_epoch=crash_at_epoch,
+        fail_at_epoch=fail_at_epoch,
     )
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -73,7 +71,7 @@ def run_workers(
         ),
         run_config=RunConfig(
             name=prepared.name,
-            storage_path=prepared.storage_path,
+            **_storage_options(prepared.storage_path),
             # A bounded controller budget: Ray's default (-1) retries an unschedulable run forever.
             failure_config=FailureConfig(max_failures=cfg.max_failures, controller_failure_limit=cfg.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
@@ -86,7 +84,7 @@ def run_workers(
         with _controller_poll(CONTROLLER_POLL_S):
             result = _fit_interruptibly(trainer)
     except ray.train.TrainingFailedError as error:
-        raise TrainingFailed(_root_cause(error)) from error
+        raise TrainingFailed(root_cause(error)) from error
     failure = recorded_failure(prepared.run_dir)
     if failure:
         raise TrainingFailed(failure)
@@ -96,6 +94,15 @@ def run_workers(
     extra = {key: metrics.get(key) for key in ("worker_node_ranks", "epoch_seconds", "epoch_steal", "first_step_at",
                                                 "worker_peak_rss_bytes")}
     return finish(prepared, final, metrics, scaling.num_workers, {"scaling": asdict(scaling)}, extra)
+
+
+def _storage_options(storage_path: str) -> dict:
+    """Ray's storage as raypar resolved it: a URI's query options (``endpoint_override``, ...)
+    and environment (``AWS_ENDPOINT_URL``) reach Ray's checkpoint uploads through the filesystem."""
+    if "://" not in storage_path:
+        return {"storage_path": storage_path}
+    filesystem, path = storage.resolve(storage_path)
+    return {"storage_path": path, "storage_filesystem": filesystem}
 
 
 @contextlib.contextmanager
@@ -136,9 +143,3 @@ def _fit_interruptibly(trainer: TorchTrainer):
     return outcome["result"]
 
 
-def _root_cause(error: BaseException) -> str:
-    """The innermost message of a worker failure, without Ray's wrapping."""
-    while error.__cause__ is not None:
-        error = error.__cause__
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else type(error).__name__

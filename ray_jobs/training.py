@@ -23,6 +23,13 @@ def epoch_order(num_rows: int, seed: int, epoch: int, shuffle: bool) -> torch.Te
     return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
 
 
+def rank_seed(seed: int, rank: int, epoch: int = 0) -> int:
+    """The seed of one worker's (or stage's) own RNG, which only what draws at random in the
+    model (dropout) uses: distinct per rank, so ranks draw independent masks. A resume restores
+    each rank's saved state; ``epoch`` reseeds only a resume onto another rank count."""
+    return seed + (epoch << 24) + (rank << 48)
+
+
 def global_batches(order: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
     """Consecutive global batches of ``order``; a last partial batch is dropped."""
     num_batches = len(order) // batch_size

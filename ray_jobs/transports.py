@@ -20,7 +20,7 @@ import warnings
 import ray
 import torch
 from ray.dag import InputNode, MultiOutputNode
-from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayChannelTimeoutError
+from ray.exceptions import GetTimeoutError, RayActorError, RayChannelError, RayChannelTimeoutError, RayTaskError
 
 from ray_jobs.schedules import BACKWARD, FORWARD, SCHEDULES, execution_order
 from ray_jobs.stage import PeerLost
@@ -116,10 +116,24 @@ class ActorCalls:
             else:
                 grad = outputs[(stage + 1, BACKWARD, m)] if stage < last else None
                 outputs[(stage, BACKWARD, m)] = self.actors[stage].backward.remote(m, grad)
-        return [actor.step.remote() for actor in self.actors]
+        return list(outputs.values()), [actor.step.remote() for actor in self.actors]
 
     def collect(self, handle, timeout_s: float) -> list[float]:
-        return _timed(lambda: [get_failing_fast(handle, timeout_s)[-1]])
+        ops, steps = handle
+        try:
+            return _timed(lambda: [get_failing_fast(steps, timeout_s)[-1]])
+        except RayTaskError:
+            # A failed op fails every op that consumes its output, and a step then finds
+            # micro-batches that never went backward: the first failed op, in submission order,
+            # is the cause.
+            for ref in ops:
+                try:
+                    ray.get(ref, timeout=0)
+                except RayTaskError:
+                    raise
+                except GetTimeoutError:
+                    continue
+            raise
 
     def close(self) -> None:
         """Nothing outlives the calls."""

@@ -92,3 +92,12 @@ def test_help_groups_flags_as_the_readme_does_each_with_its_default(strategy, ca
     readme = (REPO / "README.md").read_text()
     for section in HELP_SECTIONS[strategy]:
         assert f"| {section}" in readme, section  # the README's flag reference uses the same groups
+
+
+def test_auto_task_says_what_it_chose_and_why(classification_data, tmp_path, capsys):
+    from ray_jobs.config import TrainConfig
+    from ray_jobs.runner import prepare
+
+    prepare(TrainConfig(data=classification_data, batch_size=16, storage_path=str(tmp_path)), "ddp")
+    assert ("[raypar] task: classification (column 'target' holds integers; 4 classes from the files' "
+            "raypar.num_classes; --task to choose)") in capsys.readouterr().out

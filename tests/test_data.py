@@ -95,3 +95,42 @@ def test_synth_cli(tmp_path, capsys):
     assert read_dataset(out).num_rows == 12
     assert data_main(["synth", "--out", out, "--task", "ranking"]) == 2
     assert "error: --task 'ranking' is unknown" in capsys.readouterr().err
+
+
+def labels_table(labels: list[int], num_classes: int | None = None) -> pa.Table:
+    metadata = {b"raypar.num_classes": str(num_classes).encode()} if num_classes else None
+    return pa.table({"features": [[float(v)] for v in labels], "target": pa.array(labels, pa.int64())},
+                    metadata=metadata)
+
+
+def test_num_classes_states_a_class_the_split_lacks():
+    dataset = table_to_dataset(labels_table([0, 1, 1]), num_classes=4)  # the training split lacks class 3
+    assert dataset.out_features == 4 and "4 classes from --num-classes" in dataset.reason
+    auto = table_to_dataset(labels_table([0, 1, 1]))
+    assert auto.out_features == 2 and "the largest label + 1 (state --num-classes" in auto.reason
+    with pytest.raises(ValueError, match=r"label 5 >= num_classes 4 \(--num-classes\)"):
+        table_to_dataset(labels_table([0, 5]), num_classes=4)
+    with pytest.raises(ValueError, match="--num-classes 4 disagrees with the data's raypar.num_classes 6"):
+        table_to_dataset(labels_table([0, 1], num_classes=6), num_classes=4)
+
+
+def test_num_classes_is_read_from_every_file_of_a_directory(tmp_path):
+    pq.write_table(labels_table([0, 1]), tmp_path / "part-0.parquet")  # no metadata in the first file
+    pq.write_table(labels_table([1, 2], num_classes=5), tmp_path / "part-1.parquet")
+    assert read_dataset(str(tmp_path)).out_features == 5
+    pq.write_table(labels_table([0], num_classes=7), tmp_path / "part-2.parquet")
+    with pytest.raises(ValueError, match=r"disagree on raypar.num_classes: .*part-1.parquet says 5, .*part-2.parquet says 7"):
+        read_dataset(str(tmp_path))
+
+
+def test_task_says_what_an_integer_or_float_target_is():
+    regression = table_to_dataset(labels_table([0, 3, 7]), task="regression")
+    assert regression.task == "regression" and regression.targets.tolist() == [[0.0], [3.0], [7.0]]
+    assert "--task regression" in regression.reason
+    assert table_to_dataset(labels_table([0, 3]), task="auto").task == "classification"
+    floats = table_to_dataset(pa.table({"features": [[1.0], [2.0]], "target": [0.5, 1.5]}))
+    assert floats.task == "regression" and floats.targets.shape == (2, 1)
+    with pytest.raises(ValueError, match="--task classification needs an integer column of class labels"):
+        table_to_dataset(pa.table({"features": [[1.0]], "target": [[0.5]]}), task="classification")
+    with pytest.raises(ValueError, match="--num-classes applies to classification"):
+        table_to_dataset(pa.table({"features": [[1.0]], "target": [[0.5]]}), num_classes=3)

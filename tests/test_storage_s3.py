@@ -1,0 +1,69 @@
+"""Cloud storage for real: data, run storage and --init-from on moto's S3 server, with the
+endpoint given in the URI's query or in AWS_ENDPOINT_URL."""
+from __future__ import annotations
+
+import io
+import uuid
+
+import pyarrow.fs as pafs
+import pytest
+import torch
+
+from models import build_model
+from ray_jobs import storage
+from ray_jobs.config import TrainConfig
+from ray_jobs.data import read_dataset, synthesize, write_table
+from tests.helpers import assert_same_weights, reference_for, run_strategy, with_
+
+
+def test_run_names_go_into_the_path_and_options_stay_in_the_query():
+    base = "s3://bucket/runs?endpoint_override=host:9000&scheme=http"
+    assert storage.join(base, "run", "model.pt") == "s3://bucket/runs/run/model.pt?endpoint_override=host:9000&scheme=http"
+    assert storage.join("s3://bucket/runs/", "run") == "s3://bucket/runs/run"
+    assert storage.join("/local/runs", "a?b") == "/local/runs/a?b"  # a local path has no query
+    assert storage.without_query(base) == "s3://bucket/runs"
+
+
+@pytest.fixture
+def bucket(s3_endpoint) -> str:
+    name = f"raypar-{uuid.uuid4().hex[:8]}"
+    pafs.S3FileSystem(endpoint_override=s3_endpoint, scheme="http", allow_bucket_creation=True).create_dir(name)
+    return name
+
+
+def upload(uri: str) -> None:
+    """The session's regression_data, written to S3."""
+    write_table(synthesize(96, 6, 3, "regression", seed=1), uri)
+
+
+@pytest.mark.ray
+def test_everything_through_a_uri_with_query_options(ray_cluster, s3_endpoint, bucket, regression_data):
+    query = f"?endpoint_override={s3_endpoint}&scheme=http"
+    data = f"s3://{bucket}/data/train.parquet{query}"
+    upload(data)
+    init = build_model("seed-mlp", 6, 3, hidden=8).state_dict()
+    buffer = io.BytesIO()
+    torch.save(init, buffer)
+    storage.write_bytes(f"s3://{bucket}/init.pt{query}", buffer.getvalue())
+    cfg = TrainConfig(model="seed-mlp", hidden=8, data=data, init_from=f"s3://{bucket}/init.pt{query}", epochs=2,
+                      batch_size=16, seed=4, storage_path=f"s3://{bucket}/runs{query}", name="query")
+    summary = run_strategy("ddp", cfg, num_workers=2)
+    weights = torch.load(io.BytesIO(storage.read_bytes(storage.join(summary.run_dir, "model.pt"))), weights_only=True)
+    assert_same_weights(weights, reference_for(with_(cfg, data=regression_data, init_from=None), init_state=init)[0])
+    assert storage.exists(f"s3://{bucket}/runs/query/summary.json{query}")
+
+
+@pytest.mark.ray
+def test_the_endpoint_from_the_environment_reaches_the_workers(ray_cluster, s3_endpoint, bucket, monkeypatch,
+                                                               regression_data):
+    # Only the driver has AWS_ENDPOINT_URL: the shared cluster's workers started before it was set.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{s3_endpoint}")
+    data = f"s3://{bucket}/data/train.parquet"
+    upload(data)
+    assert read_dataset(data).num_rows == 96
+    cfg = TrainConfig(model="seed-mlp", hidden=8, data=data, epochs=2, batch_size=16, seed=4,
+                      storage_path=f"s3://{bucket}/runs", name="env", max_failures=1)
+    summary = run_strategy("ddp", cfg, num_workers=2, crash_at_epoch=1)  # the restart reads the checkpoint from S3
+    assert summary.resumed_from_epoch == 1
+    weights = torch.load(io.BytesIO(storage.read_bytes(f"{summary.run_dir}/model.pt")), weights_only=True)
+    assert_same_weights(weights, reference_for(with_(cfg, data=regression_data))[0])
