@@ -49,3 +49,10 @@ def test_the_smoke_suite_runs_every_case_end_to_end(ray_cluster, tmp_path):
         assert (parts is None) == (row["transport_requested"] != "p2p")
         assert parts is None or min(parts["busy_share"]["median"], parts["op_speed"]["median"]) > 0
     assert results["ingest"]["ingest_over_training"]["median"] > 0
+
+    memory = results["stage_memory"]
+    assert [row["num_stages"] for row in memory["rows"]] == [1, 2]
+    whole, split = (row["stage_parameter_bytes"] for row in memory["rows"])
+    assert sum(split) == whole[0] and all(0 < part < whole[0] for part in split)  # each stage its slice only
+    assert all(rss > 10 * 2**20 for row in memory["rows"] for rss in row["stage_peak_rss_bytes"])
+    assert all(device is None for row in memory["rows"] for device in row["stage_peak_device_bytes"])  # CPU

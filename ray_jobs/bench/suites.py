@@ -69,6 +69,9 @@ class Suite:
     of ``other_transport_microbatches``."""
     other_transport_microbatches: tuple[int, ...]
     ingest_repetitions: int
+    memory: Workload
+    """The stage-memory case's model, fixed while the stage count grows."""
+    memory_stages: tuple[int, ...]
 
 
 SUITES: dict[str, Suite] = {
@@ -93,6 +96,10 @@ SUITES: dict[str, Suite] = {
         other_transport_schedules=("gpipe",),
         other_transport_microbatches=(8,),
         ingest_repetitions=5,
+        # 8 x 2048^2 weights, 134 MiB (with their gradients, 268 MiB): each stage's share stands
+        # out against the ~320 MiB every process holds for torch and pyarrow alone.
+        memory=Workload("mlp", 2048, 8, rows=256, in_features=1024, out_features=1024, batch_size=64, epochs=1),
+        memory_stages=(1, 2, 4),
     ),
     "full": Suite(
         name="full",
@@ -112,6 +119,8 @@ SUITES: dict[str, Suite] = {
         other_transport_schedules=("gpipe", "1f1b", "sequential"),
         other_transport_microbatches=(1, 2, 4, 8, 16),
         ingest_repetitions=10,
+        memory=Workload("mlp", 4096, 8, rows=512, in_features=1024, out_features=1024, batch_size=64, epochs=1),
+        memory_stages=(1, 2, 4, 8),
     ),
     "smoke": Suite(
         name="smoke",
@@ -131,6 +140,8 @@ SUITES: dict[str, Suite] = {
         other_transport_schedules=("gpipe",),
         other_transport_microbatches=(4,),
         ingest_repetitions=2,
+        memory=Workload("mlp", 64, 4, rows=128, in_features=64, out_features=64, batch_size=32, epochs=1),
+        memory_stages=(1, 2),
     ),
 }
 

@@ -11,10 +11,12 @@ from ray_jobs.bench.cases.common import Bench
 from ray_jobs.bench.cases.data_parallel import data_parallel_cases
 from ray_jobs.bench.cases.ingest import ingest_case
 from ray_jobs.bench.cases.pipeline import pipeline_case
+from ray_jobs.bench.cases.stage_memory import stage_memory_case
 
 # The names ``--cases`` takes, in the order the cases run.
 CASES: dict[str, Callable[[Bench, dict[str, Any]], dict[str, Any]]] = {
     "data_parallel": data_parallel_cases,
     "pipeline": pipeline_case,
     "ingest": ingest_case,  # after data_parallel: it compares with the DDP job's consumption
+    "stage_memory": stage_memory_case,
 }

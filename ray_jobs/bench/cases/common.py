@@ -28,7 +28,9 @@ class Bench:
         self.steal: list[dict[str, Any]] = []  # per measured run: the hypervisor's share of the CPU
         self.ddp_data = os.path.join(out, "data", "ddp.parquet")
         self.pipeline_data = os.path.join(out, "data", "pipeline.parquet")
-        for path, work in ((self.ddp_data, suite.ddp), (self.pipeline_data, suite.pipeline)):
+        self.memory_data = os.path.join(out, "data", "memory.parquet")
+        for path, work in ((self.ddp_data, suite.ddp), (self.pipeline_data, suite.pipeline),
+                           (self.memory_data, suite.memory)):
             write_table(synthesize(work.rows, work.in_features, work.out_features, "regression", seed=0), path)
 
     def config(self, work: Workload, data: str, label: str) -> TrainConfig:
