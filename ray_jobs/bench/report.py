@@ -241,7 +241,8 @@ def render(results: dict[str, Any]) -> str:
         "when the range (least–most favourable pairing) reaches across the goal: more repetitions or a "
         "quieter machine decide it.",
         "",
-        f"Plots: {', '.join(results['plots'])}." if isinstance(results["plots"], list) else f"{results['plots']}.",
+        f"Plots: {', '.join(results['plots']) or 'none for these cases'}." if isinstance(results["plots"], list)
+        else f"{results['plots']}.",
     ]
     return "\n".join(parts) + "\n"
 
