@@ -34,6 +34,8 @@ class TrainState:
     """Per world rank (or pipeline stage): ``rng_state()`` when the checkpoint was taken."""
     step: int = 0
     """Global batches already done in epoch ``epochs_completed`` (0: the epoch has not begun)."""
+    step_losses: list[float] = field(default_factory=list)
+    """The global-batch losses of those ``step`` batches, for the epoch's mean loss."""
 
     @property
     def progress(self) -> tuple[int, int]:
@@ -132,7 +134,7 @@ def slice_state(state: TrainState, keys: set[str], index: int, num_parts: int) -
                  "param_groups": params}
     rng = [state.rng[index]] if len(state.rng) == num_parts else []
     return TrainState({k: v for k, v in state.model.items() if k in keys}, optimizer, state.epochs_completed,
-                      state.losses, rng, state.step)
+                      state.losses, rng, state.step, state.step_losses)
 
 
 def prune_checkpoints(run_dir: storage.Target, num_to_keep: int) -> None:

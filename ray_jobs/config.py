@@ -15,6 +15,7 @@ from models import MODELS
 
 OPTIMIZERS = ("sgd", "adamw")
 TASKS = ("auto", "regression", "classification")
+INGESTS = ("auto", "memory", "stream")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
 
 
@@ -69,8 +70,19 @@ class TrainConfig:
         "run storage: a local path or s3:// / gs:// URI", "checkpoints"))
     name: str | None = field(default=None, metadata=flag_doc(
         "run name; re-running a name resumes it", "checkpoints", "strategy + timestamp"))
+    checkpoint_every_steps: int = field(default=0, metadata=flag_doc(
+        "also checkpoint every K global batches within an epoch (0: off); a resume restarts at that step",
+        "checkpoints"))
     max_failures: int = field(default=0, metadata=flag_doc(
         "worker-group restarts allowed, each resuming from the latest checkpoint", "checkpoints"))
+    # ingest
+    ingest: str = field(default="auto", metadata=flag_doc(
+        "memory: read the data whole, once; stream: read it window by window, never whole; auto: memory when "
+        "the data's uncompressed size is at most --memory-ingest-limit-mb", "ingest", choices=INGESTS))
+    memory_ingest_limit_mb: float = field(default=1024.0, metadata=flag_doc(
+        "--ingest auto streams data larger than this, uncompressed (MiB)", "ingest"))
+    shuffle_window_rows: int = field(default=65536, metadata=flag_doc(
+        "stream: rows shuffled together; a window closes once its row groups hold this many", "ingest"))
     # placement
     resource_timeout: float = field(default=300.0, metadata=flag_doc(
         "seconds to wait for an autoscaling cluster to add the nodes a run needs "
@@ -81,6 +93,12 @@ class TrainConfig:
             raise ValueError(f"--model {self.model!r} is unknown; valid models: {', '.join(sorted(MODELS))}")
         require_choice(self.optimizer, OPTIMIZERS, "optimizer")
         require_choice(self.task, TASKS, "task")
+        require_choice(self.ingest, INGESTS, "ingest")
+        for flag in ("shuffle_window_rows", "memory_ingest_limit_mb"):
+            require(getattr(self, flag) > 0, flag, getattr(self, flag), "positive")
+        require(self.checkpoint_every_steps >= 0, "checkpoint_every_steps", self.checkpoint_every_steps, "zero or more")
+        if self.ingest == "stream" and self.data is None:
+            raise ValueError("--ingest stream needs --data (the synthetic default is generated in memory)")
         require(self.num_classes is None or self.num_classes >= 2, "num_classes", self.num_classes, "at least 2")
         require(self.dropout is None or 0 <= self.dropout < 1, "dropout", self.dropout, "in [0, 1)")
         for flag in ("epochs", "batch_size", "checkpoint_every", "num_checkpoints_to_keep"):

@@ -1,6 +1,7 @@
 """Parquet training data: reading and validating it with pyarrow, and writing synthetic sets.
 
-``python -m ray_jobs.data synth --out PATH ...`` writes a synthetic dataset.
+``python -m ray_jobs.data synth --out PATH ...`` writes a synthetic dataset; ``python -m
+ray_jobs.data reshard DATA --out PATH --row-group-rows R`` rewrites data with smaller row groups.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from ray_jobs.storage import resolve
 
 TASKS = ("regression", "classification")
 NUM_CLASSES_KEY = b"raypar.num_classes"
+# Row groups are what a stream reads and shuffles (--ingest stream): written no larger than this.
+ROW_GROUP_ROWS = 16384
 CLASSES_FROM_LABELS = "the largest label + 1 (state --num-classes when a split may lack the top class)"
 
 
@@ -32,6 +35,9 @@ class Dataset:
     num_classes: int | None = None
     reason: str = ""
     """Why ``task`` (and the class count) were chosen, for the run's first lines."""
+    file_bytes: int = 0
+    """Parquet bytes read from storage to load it."""
+    ingest = "memory"
 
     @property
     def num_rows(self) -> int:
@@ -174,20 +180,30 @@ def read_dataset(path: str, feature_column: str = "features", target_column: str
                  task: str = "auto", num_classes: int | None = None) -> Dataset:
     """Read a Parquet file or directory (local or URI) and validate it."""
     filesystem, fs_path = resolve(path)
-    info = filesystem.get_file_info(fs_path)
-    if info.type == pafs.FileType.NotFound:
+    if filesystem.get_file_info(fs_path).type == pafs.FileType.NotFound:
         raise ValueError(f"--data {path}: no such file or directory")
     try:
-        stored = stored_num_classes(filesystem, fs_path, info.type == pafs.FileType.Directory)
+        files = parquet_files(filesystem, fs_path)
+        stored = stored_num_classes(filesystem, files)
         table = pq.read_table(fs_path, filesystem=filesystem, columns=None)
     except (pa.ArrowInvalid, OSError) as error:
         raise ValueError(f"--data {path}: not readable as Parquet ({str(error).splitlines()[0]})") from None
-    return table_to_dataset(table, feature_column, target_column, task, num_classes, stored)
+    dataset = table_to_dataset(table, feature_column, target_column, task, num_classes, stored)
+    dataset.file_bytes = sum(info.size for info in filesystem.get_file_info(files))
+    return dataset
 
 
-def stored_num_classes(filesystem: pafs.FileSystem, path: str, is_directory: bool) -> int | None:
+def parquet_files(filesystem: pafs.FileSystem, path: str) -> list[str]:
+    """A Parquet file, or a directory's Parquet files in name order (hidden ``.``/``_`` names left out)."""
+    if filesystem.get_file_info(path).type != pafs.FileType.Directory:
+        return [path]
+    infos = filesystem.get_file_info(pafs.FileSelector(path, recursive=True))
+    return sorted(info.path for info in infos if info.type == pafs.FileType.File
+                  and not info.base_name.startswith((".", "_")))
+
+
+def stored_num_classes(filesystem: pafs.FileSystem, files: list[str]) -> int | None:
     """``raypar.num_classes`` as every file's metadata states it; files that disagree are an error."""
-    files = pq.ParquetDataset(path, filesystem=filesystem).files if is_directory else [path]
     stated = {}
     for file in files:
         value = (pq.read_schema(file, filesystem=filesystem).metadata or {}).get(NUM_CLASSES_KEY)
@@ -223,12 +239,42 @@ def synthesize(
     return pa.table(columns, metadata=metadata)
 
 
-def write_table(table: pa.Table, path: str) -> None:
+def write_table(table: pa.Table, path: str, row_group_rows: int = ROW_GROUP_ROWS) -> None:
     filesystem, fs_path = resolve(path)
     parent = fs_path.rsplit("/", 1)[0]
     if parent:
         filesystem.create_dir(parent, recursive=True)
-    pq.write_table(table, fs_path, filesystem=filesystem)
+    pq.write_table(table, fs_path, filesystem=filesystem, row_group_size=row_group_rows)
+
+
+def reshard(source: str, out: str, row_group_rows: int) -> int:
+    """Rewrite a Parquet file or directory with row groups of ``row_group_rows`` rows, a few at a
+    time (never the whole data in memory); returns the rows written. Names and schema metadata
+    are kept; a directory's files keep their names under ``out``."""
+    if row_group_rows < 1:
+        raise ValueError(f"--row-group-rows must be at least 1, got {row_group_rows}")
+    filesystem, path = resolve(source)
+    if filesystem.get_file_info(path).type == pafs.FileType.NotFound:
+        raise ValueError(f"{source}: no such file or directory")
+    out_fs, out_path = resolve(out)
+    files = parquet_files(filesystem, path)
+    total = 0
+    for file in files:
+        target = out_path if len(files) == 1 and file == path else f"{out_path}/{file[len(path):].lstrip('/')}"
+        out_fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
+        reader = pq.ParquetFile(file, filesystem=filesystem)
+        with pq.ParquetWriter(target, reader.schema_arrow, filesystem=out_fs) as writer:
+            pending: list[pa.RecordBatch] = []
+            for batch in reader.iter_batches(batch_size=row_group_rows):
+                pending.append(batch)
+                while sum(len(b) for b in pending) >= row_group_rows:
+                    table = pa.Table.from_batches(pending)
+                    writer.write_table(table.slice(0, row_group_rows))
+                    pending = table.slice(row_group_rows).to_batches()
+            if pending:
+                writer.write_table(pa.Table.from_batches(pending, reader.schema_arrow))
+        total += reader.metadata.num_rows
+    return total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,11 +287,21 @@ def main(argv: list[str] | None = None) -> int:
     synth.add_argument("--out-features", type=int, default=5, help="target width, or number of classes")
     synth.add_argument("--task", default="regression", help=f"one of {', '.join(TASKS)}")
     synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--row-group-rows", type=int, default=ROW_GROUP_ROWS,
+                       help=f"rows per Parquet row group, the unit a stream reads (default: {ROW_GROUP_ROWS})")
+    resharder = commands.add_parser("reshard", help="rewrite Parquet data with smaller row groups, for streaming")
+    resharder.add_argument("data", help="Parquet file or directory, local or URI")
+    resharder.add_argument("--out", required=True, help="where to write it (a file for a file, else a directory)")
+    resharder.add_argument("--row-group-rows", type=int, required=True, help="rows per row group")
     args = parser.parse_args(argv)
     try:
+        if args.command == "reshard":
+            rows = reshard(args.data, args.out, args.row_group_rows)
+            print(f"wrote {rows} rows in row groups of at most {args.row_group_rows} to {args.out}")
+            return 0
         table = synthesize(args.rows, args.in_features, args.out_features, args.task, args.seed)
-        write_table(table, args.out)
-    except (ValueError, OSError) as error:
+        write_table(table, args.out, args.row_group_rows)
+    except (ValueError, OSError, pa.ArrowInvalid) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"wrote {table.num_rows} rows ({args.task}, {args.in_features} -> {args.out_features}) to {args.out}")

@@ -33,13 +33,12 @@ from ray_jobs.checkpoint import (
     write_checkpoint,
 )
 from ray_jobs.config import TrainConfig
-from ray_jobs.data import Dataset
 from ray_jobs.errors import Failure, describe
 from ray_jobs.readings import cpu_times, peak_rss_bytes, steal_fraction
 from ray_jobs.runner import record_failure
+from ray_jobs.stream import epoch_indices, open_source
 from ray_jobs.training import (
     build_optimizer,
-    epoch_order,
     global_batches,
     loss_function,
     non_finite_loss,
@@ -62,8 +61,12 @@ class LoopConfig:
     crash_at_epoch: int | None = None
     """Fault injection for tests: on a run not resumed from a checkpoint, the worker process
     exits hard during this epoch, after the previous epoch's checkpoint was registered."""
+    crash_at_step: int = 0
+    """With ``crash_at_epoch``: the global batch of that epoch after which world rank 0 exits."""
     fail_at_epoch: int | None = None
     """Fault injection for tests: the last world rank raises during this epoch."""
+    reader: Any = None
+    """The stream's ``WindowReader`` actor (``--ingest stream``), else None."""
 
 
 def train_loop_per_worker(raw: dict[str, Any]) -> None:
@@ -72,7 +75,7 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
     _quiet_report_logs()
     ctx = ray.train.get_context()
     torch.set_num_threads(loop.num_threads)
-    dataset: Dataset = ray.get(loop.dataset)
+    dataset = ray.get(loop.dataset)
     device = ray.train.torch.get_device()
     model = build_model(cfg.model, dataset.in_features, dataset.out_features, **cfg.model_options)
     model.load_state_dict(ray.get(loop.initial_state))
@@ -80,70 +83,105 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
     optimizer = build_optimizer(model.parameters(), cfg)
     torch.manual_seed(rank_seed(cfg.seed, ctx.get_world_rank()))  # this rank's dropout draws
     start = _restore(loop.run_dir, model, optimizer, cfg.seed, ctx.get_world_rank(), ctx.get_world_size())
-    worker = _Worker(loop, cfg, dataset, device, loop.wrap(model, device), optimizer, ctx)
-    mine = (ray.get_runtime_context().get_node_id(), ctx.get_node_rank())
-    nodes, node_ranks = (list(column) for column in zip(*_gather(mine, ctx.get_world_size())))
-    losses = list(start.losses) if start else []
-    first_epoch = start.epochs_completed if start else 0
-    report = {"worker_nodes": nodes, "worker_node_ranks": node_ranks,
-              "resumed_from_epoch": first_epoch if start else None}
-    num_samples, epoch_seconds, epoch_steal = 0, [], []
-    for epoch in range(first_epoch, cfg.epochs):
+    worker = _Worker(loop, cfg, dataset, device, model, optimizer, ctx, start)
+    for epoch in range(start.epochs_completed if start else 0, cfg.epochs):
+        resuming = start is not None and epoch == start.epochs_completed
+        first_step, done = (start.step, list(start.step_losses)) if resuming else (0, [])
         began, cpu = time.perf_counter(), cpu_times()
         try:
             if loop.fail_at_epoch == epoch and worker.world_rank == worker.world_size - 1:
                 raise RuntimeError("injected fault")
-            step_losses = worker.run_epoch(epoch, crash=loop.crash_at_epoch == epoch and start is None)
+            step_losses = worker.run_epoch(epoch, first_step, done, crash=loop.crash_at_epoch == epoch and start is None)
+        except Failure:
+            raise
         except Exception as error:  # only this rank knows where it failed: say so in the one line
             raise Failure(describe(error, f"world rank {worker.world_rank}")) from error
-        failure = non_finite_loss(step_losses, epoch)
-        if failure:
-            # Ray keeps only checkpointed reports' metrics, so the reason travels as a file.
-            if worker.world_rank == 0:
-                record_failure(loop.run_dir, failure)
-            return
-        losses.append(sum(step_losses) / len(step_losses))
-        epoch_seconds.append(time.perf_counter() - began)
-        epoch_steal.append(steal_fraction(cpu, cpu_times()))
-        num_samples += len(step_losses) * cfg.batch_size
-        report.update(epoch=epoch, loss=losses[-1], epochs_completed=epoch + 1, epoch_seconds=list(epoch_seconds),
-                      epoch_steal=list(epoch_steal), samples_per_second=num_samples / sum(epoch_seconds),
-                      first_step_at=worker.first_step_at,
-                      worker_peak_rss_bytes=_gather(peak_rss_bytes(), worker.world_size))
-        if worker.world_rank == 0:
-            print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {losses[-1]:.6f}", flush=True)
-        checkpoint = (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs
-        rngs = _gather(rng_state(), worker.world_size) if checkpoint else []  # a collective: all ranks
-        _report(report, _train_state(model, optimizer, epoch + 1, losses, rngs)
-                if checkpoint and worker.world_rank == 0 else None)
+        if step_losses is None:
+            return  # a non-finite loss, recorded
+        worker.end_epoch(epoch, done + step_losses, time.perf_counter() - began, steal_fraction(cpu, cpu_times()))
 
 
 class _Worker:
-    """This rank's view of the run: its shard of every global batch, on its device."""
+    """This rank's view of the run: its shard of every global batch, on its device, and what it
+    reports."""
 
-    def __init__(self, loop: LoopConfig, cfg: TrainConfig, dataset: Dataset, device: torch.device,
-                 model: nn.Module, optimizer: torch.optim.Optimizer, ctx) -> None:
-        self.cfg, self.num_rows, self.device = cfg, dataset.num_rows, device
-        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_function(dataset.task)
+    def __init__(self, loop: LoopConfig, cfg: TrainConfig, dataset, device: torch.device, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, ctx, start: TrainState | None) -> None:
+        self.loop, self.cfg, self.dataset, self.device = loop, cfg, dataset, device
+        self.model, self.wrapped, self.optimizer = model, loop.wrap(model, device), optimizer
+        self.loss_fn = loss_function(dataset.task)
         self.world_rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
-        self.features, self.targets = (tensor.to(device) for tensor in dataset.tensors())
+        self.source = open_source(dataset, loop.reader, cfg.seed, cfg.shuffle, device)
         self.first_step_at: float | None = None  # wall clock, comparable with the driver's
+        self.losses = list(start.losses) if start else []
+        self.num_samples, self.data_s, self.epoch_seconds, self.epoch_steal = 0, 0.0, [], []
+        mine = (ray.get_runtime_context().get_node_id(), ctx.get_node_rank())
+        nodes, node_ranks = (list(column) for column in zip(*_gather(mine, self.world_size)))
+        self.report = {"worker_nodes": nodes, "worker_node_ranks": node_ranks,
+                       "resumed_from_epoch": start.epochs_completed if start else None,
+                       "resumed_from_step": start.step if start else None}
 
-    def run_epoch(self, epoch: int, crash: bool = False) -> list[float]:
-        """Train one epoch; returns every step's global-batch loss, the same on every rank."""
-        cfg = self.cfg
-        batches = global_batches(epoch_order(self.num_rows, cfg.seed, epoch, cfg.shuffle), cfg.batch_size)
-        step_losses = torch.zeros(len(batches), device=self.device)
-        for step, batch in enumerate(batches):
+    def run_epoch(self, epoch: int, first_step: int, done: list[float], crash: bool = False) -> list[float] | None:
+        """Train epoch ``epoch`` from global batch ``first_step`` (``done``: the losses of the steps
+        before it); returns the new steps' global-batch losses, the same on every rank, or None
+        after a non-finite loss (recorded for the driver)."""
+        cfg, every = self.cfg, self.cfg.checkpoint_every_steps
+        batches = global_batches(epoch_indices(self.dataset, cfg.seed, epoch, cfg.shuffle), cfg.batch_size)
+        step_losses = torch.zeros(len(batches) - first_step, device=self.device)
+        for index, batch in enumerate(batches[first_step:]):
             if self.first_step_at is None:
                 self.first_step_at = time.time()
-            rows = shard(batch, self.world_size, self.world_rank).to(self.device)
-            step_losses[step] = train_step(self.model, self.optimizer, self.loss_fn, self.features[rows],
-                                           self.targets[rows])
-            if crash and self.world_rank == 0:
+            began = time.perf_counter()
+            features, targets = self.source.rows(shard(batch, self.world_size, self.world_rank))
+            features, targets = features.to(self.device), targets.to(self.device)
+            self.data_s += time.perf_counter() - began
+            step_losses[index] = train_step(self.wrapped, self.optimizer, self.loss_fn, features, targets)
+            step = first_step + index + 1
+            if crash and self.world_rank == 0 and step - 1 == self.loop.crash_at_step:
                 _crash()
+            if every and step % every == 0 and step < len(batches):
+                so_far = done + _mean_over_workers(step_losses[:index + 1].clone(), self.world_size).cpu().tolist()
+                self.checkpoint(epoch, step, so_far)
         # One collective per epoch: every rank sees the same global losses and so stops together.
-        return _mean_over_workers(step_losses, self.world_size).cpu().tolist()
+        losses = _mean_over_workers(step_losses, self.world_size).cpu().tolist()
+        failure = non_finite_loss(losses, epoch, first_step)
+        if failure:
+            # Ray keeps only checkpointed reports' metrics, so the reason travels as a file.
+            if self.world_rank == 0:
+                record_failure(self.loop.run_dir, failure)
+            return None
+        self.num_samples += len(losses) * cfg.batch_size
+        return losses
+
+    def end_epoch(self, epoch: int, step_losses: list[float], seconds: float, steal: float | None) -> None:
+        cfg = self.cfg
+        self.losses.append(sum(step_losses) / len(step_losses))
+        self.epoch_seconds.append(seconds)
+        self.epoch_steal.append(steal)
+        self.report.update(epoch=epoch, loss=self.losses[-1], epochs_completed=epoch + 1,
+                           epoch_seconds=list(self.epoch_seconds), epoch_steal=list(self.epoch_steal),
+                           samples_per_second=self.num_samples / sum(self.epoch_seconds),
+                           data_wait_fraction=self.data_s / sum(self.epoch_seconds),
+                           first_step_at=self.first_step_at,
+                           worker_peak_rss_bytes=_gather(peak_rss_bytes(), self.world_size))
+        if self.world_rank == 0:
+            print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {self.losses[-1]:.6f}", flush=True)
+        if (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs:
+            self.checkpoint(epoch + 1, 0, [])
+        else:
+            _report(self.report, None)
+
+    def checkpoint(self, epochs_completed: int, step: int, step_losses: list[float]) -> None:
+        """Report with a checkpoint (every rank calls it: the RNG states are gathered, and a
+        report is a barrier); world rank 0 writes it."""
+        rngs = _gather(rng_state(), self.world_size)
+        state = None
+        if self.world_rank == 0:
+            # No copy: the checkpoint is written before the next step changes these tensors.
+            weights = {key: value.detach().cpu() for key, value in self.model.state_dict().items()}
+            state = TrainState(weights, named_optimizer_state(self.optimizer, dict(self.model.named_parameters())),
+                               epochs_completed, list(self.losses), rngs, step, step_losses)
+        _report({**self.report, "step": step}, state)
 
 
 def _restore(run_dir: storage.Location, model: nn.Module, optimizer: torch.optim.Optimizer, seed: int,
@@ -170,14 +208,6 @@ def _report(metrics: dict[str, Any], state: TrainState | None) -> None:
         # Named by progress: resume and model.pt take the checkpoint with the most work done.
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
                          checkpoint_dir_name=checkpoint_name(state.epochs_completed, state.step))
-
-
-def _train_state(model: nn.Module, optimizer: torch.optim.Optimizer, epochs: int, losses: list[float],
-                 rngs: list[dict[str, Any]]) -> TrainState:
-    # No copy: the checkpoint is written before the next step changes these tensors.
-    weights = {key: value.detach().cpu() for key, value in model.state_dict().items()}
-    return TrainState(weights, named_optimizer_state(optimizer, dict(model.named_parameters())), epochs, losses,
-                      rngs)
 
 
 def _mean_over_workers(value: torch.Tensor, world_size: int) -> torch.Tensor:

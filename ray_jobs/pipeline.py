@@ -31,7 +31,8 @@ from ray_jobs.schedules import SCHEDULES
 from ray_jobs.stage import stage_keys
 from ray_jobs.stage_group import StageGroup, StartFailed
 from ray_jobs.summary import TrainSummary
-from ray_jobs.training import epoch_order, global_batches, non_finite_loss
+from ray_jobs.stream import epoch_indices, reader_stats, stream_reader
+from ray_jobs.training import global_batches, non_finite_loss
 from ray_jobs.transports import STAGE_FAILURES, TRANSPORTS, BatchTimeout
 
 # This module holds the flags, the attempts (retries from the latest checkpoint) and the epoch
@@ -134,40 +135,64 @@ class Attempt:
 
     state: TrainState
     resumed_from_epoch: int | None
-    timing: PipelineTiming = field(default_factory=PipelineTiming)
+    resumed_from_step: int | None
+    timing: PipelineTiming
 
 
-def _train_epochs(stages: StageGroup, prepared: PreparedRun, attempt: Attempt, scaling: PipelineScaling,
-                  faults: dict) -> None:
+def _train_epoch(stages: StageGroup, prepared: PreparedRun, attempt: Attempt, scaling: PipelineScaling,
+                 faults: dict) -> None:
+    """Epoch ``state.epochs_completed`` from step ``state.step``, in segments of
+    ``--checkpoint-every-steps`` global batches with a checkpoint after each but the last."""
     cfg, state = prepared.cfg, attempt.state
-    for epoch in range(state.epochs_completed, cfg.epochs):
-        began = time.perf_counter()
-        batches = global_batches(epoch_order(prepared.dataset.num_rows, cfg.seed, epoch, cfg.shuffle), cfg.batch_size)
-        fault = {faults.get("crash_at_epoch"): "crash", faults.get("fail_at_epoch"): "fail_next_forward"}.get(epoch)
-        if fault and attempt.resumed_from_epoch is None:
-            getattr(stages.actors[-1], fault).remote()
-        losses = train_epoch(stages, batches, scaling.batch_timeout_s)
+    epoch, began = state.epochs_completed, time.perf_counter()
+    batches = global_batches(epoch_indices(prepared.dataset, cfg.seed, epoch, cfg.shuffle), cfg.batch_size)
+    losses, new = list(state.step_losses), 0
+    for first, end in _segments(state.step, len(batches), cfg.checkpoint_every_steps):
+        _inject(stages, attempt, faults, epoch, range(first, end))
+        losses += train_epoch(stages, batches[first:end], scaling.batch_timeout_s)
+        new += end - first
         failure = non_finite_loss(losses, epoch)
         if failure:
             record_failure(prepared.run_dir, failure)
             raise TrainingFailed(failure)
-        attempt.timing.add_epoch(time.perf_counter() - began, len(batches) * cfg.batch_size, stages.take_timing())
-        state.losses.append(sum(losses) / len(batches))
-        state.epochs_completed = epoch + 1
-        print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {state.losses[-1]:.6f}", flush=True)
-        if state.epochs_completed % cfg.checkpoint_every == 0 or state.epochs_completed == cfg.epochs:
-            state.model, state.optimizer, state.rng = stages.gather_state()
-            write_checkpoint(storage.join(prepared.run_dir, checkpoint_name(state.epochs_completed)), state)
-            prune_checkpoints(prepared.run_dir, cfg.num_checkpoints_to_keep)
+        if end < len(batches):
+            state.step, state.step_losses = end, list(losses)
+            _checkpoint(stages, prepared, state)
+    attempt.timing.add_epoch(time.perf_counter() - began, new * cfg.batch_size, stages.take_timing())
+    state.losses.append(sum(losses) / len(batches))
+    state.epochs_completed, state.step, state.step_losses = epoch + 1, 0, []
+    print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {state.losses[-1]:.6f}", flush=True)
+    if state.epochs_completed % cfg.checkpoint_every == 0 or state.epochs_completed == cfg.epochs:
+        _checkpoint(stages, prepared, state)
 
 
-def _start_attempt(stages: StageGroup, prepared: PreparedRun, keys: list[set[str]]) -> Attempt:
+def _segments(first: int, total: int, every: int) -> list[tuple[int, int]]:
+    cuts = [first] + [step for step in range(first + 1, total) if every and step % every == 0] + [total]
+    return list(zip(cuts, cuts[1:]))
+
+
+def _checkpoint(stages: StageGroup, prepared: PreparedRun, state: TrainState) -> None:
+    state.model, state.optimizer, state.rng = stages.gather_state()
+    write_checkpoint(storage.join(prepared.run_dir, checkpoint_name(state.epochs_completed, state.step)), state)
+    prune_checkpoints(prepared.run_dir, prepared.cfg.num_checkpoints_to_keep)
+
+
+def _inject(stages: StageGroup, attempt: Attempt, faults: dict, epoch: int, steps: range) -> None:
+    """Tests' faults, in the last stage, in the first attempt: before the segment of
+    ``crash_at_epoch`` / ``fail_at_epoch`` that holds step ``crash_at_step`` (default 0)."""
+    fault = {faults.get("crash_at_epoch"): "crash", faults.get("fail_at_epoch"): "fail_next_forward"}.get(epoch)
+    if fault and attempt.resumed_from_epoch is None and faults.get("crash_at_step", 0) in steps:
+        getattr(stages.actors[-1], fault).remote()
+
+
+def _start_attempt(stages: StageGroup, prepared: PreparedRun, keys: list[set[str]], num_stages: int) -> Attempt:
     checkpoint = latest_checkpoint(prepared.run_dir)
     if checkpoint is None:
-        return Attempt(TrainState(dict(prepared.initial_state), {}, 0, []), None)
+        return Attempt(TrainState(dict(prepared.initial_state), {}, 0, []), None, None, PipelineTiming(num_stages))
     stages.restore(checkpoint, keys)
-    print(f"[raypar] resuming from the checkpoint after epoch {checkpoint.epochs_completed}", flush=True)
-    return Attempt(checkpoint, checkpoint.epochs_completed)
+    at = f"epoch {checkpoint.epochs_completed}" + (f", step {checkpoint.step}" if checkpoint.step else "")
+    print(f"[raypar] resuming from the checkpoint after {at}", flush=True)
+    return Attempt(checkpoint, checkpoint.epochs_completed, checkpoint.step, PipelineTiming(num_stages))
 
 
 def run(prepared: PreparedRun, scaling: PipelineScaling, crash_at_start: bool = False, **faults) -> TrainSummary:
@@ -186,14 +211,22 @@ def run(prepared: PreparedRun, scaling: PipelineScaling, crash_at_start: bool = 
                       "the pipeline can never fill, some stages always idle", stacklevel=2)
     wait_for_bundles(scaling.bundles, scaling.placement_strategy, f"--num-stages {scaling.num_stages}",
                      cfg.resource_timeout)
+    with stream_reader(prepared) as reader:
+        return _attempts(prepared, scaling, reader, crash_at_start, faults)
+
+
+def _attempts(prepared: PreparedRun, scaling: PipelineScaling, reader, crash_at_start: bool,
+              faults: dict) -> TrainSummary:
+    cfg = prepared.cfg
     keys = stage_keys(cfg, prepared.dataset, scaling.num_stages)
     for failures in range(cfg.max_failures + 1):
         stages = None
         try:
-            stages = StageGroup(prepared, scaling, crash_on_start=crash_at_start and failures == 0)
-            attempt = _start_attempt(stages, prepared, keys)
-            _train_epochs(stages, prepared, attempt, scaling, faults)
-            return _finish(prepared, scaling, stages, attempt)
+            stages = StageGroup(prepared, scaling, reader, crash_on_start=crash_at_start and failures == 0)
+            attempt = _start_attempt(stages, prepared, keys, scaling.num_stages)
+            while attempt.state.epochs_completed < cfg.epochs:
+                _train_epoch(stages, prepared, attempt, scaling, faults)
+            return _finish(prepared, scaling, stages, attempt, reader)
         except (StartFailed, *STAGE_FAILURES) as error:
             reason = str(error) if stages is None else stages.describe_failure(error)
             if failures == cfg.max_failures:
@@ -207,7 +240,8 @@ def run(prepared: PreparedRun, scaling: PipelineScaling, crash_at_start: bool = 
     raise AssertionError("unreachable")
 
 
-def _finish(prepared: PreparedRun, scaling: PipelineScaling, stages: StageGroup, attempt: Attempt) -> TrainSummary:
+def _finish(prepared: PreparedRun, scaling: PipelineScaling, stages: StageGroup, attempt: Attempt,
+            reader) -> TrainSummary:
     extra = {
         "stage_nodes": stages.nodes,
         "transport": stages.transport.name,
@@ -218,7 +252,9 @@ def _finish(prepared: PreparedRun, scaling: PipelineScaling, stages: StageGroup,
         **{f"stage_peak_{key}": [memory[key] for memory in stages.peak_memory()] for key in ("rss_bytes", "device_bytes")},
     }
     metrics = {"samples_per_second": attempt.timing.samples_per_second,
-               "resumed_from_epoch": attempt.resumed_from_epoch}
+               "resumed_from_epoch": attempt.resumed_from_epoch,
+               "resumed_from_step": attempt.resumed_from_step,
+               "data_wait_fraction": attempt.timing.data_wait_fraction, **reader_stats(reader)}
     return finish(prepared, attempt.state, metrics, scaling.num_stages, {"scaling": asdict(scaling)}, extra)
 
 

@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 
 from ray_jobs.schedules import SCHEDULES, replayed_bubble, typical_durations
 
-STAGE_TIME_KEYS = ("compute_s", "optimizer_s", "receive_wait_s", "p2p_calls_s")
+STAGE_TIME_KEYS = ("compute_s", "optimizer_s", "receive_wait_s", "p2p_calls_s", "data_wait_s")
 
 
 @dataclass
 class PipelineTiming:
     """One attempt's epochs, as the stages timed them."""
 
+    num_stages: int = 1
     samples: int = 0
     epoch_seconds: list[float] = field(default_factory=list)
     epoch_timing: list[dict[str, float]] = field(default_factory=list)  # per epoch, summed over stages
@@ -33,6 +34,12 @@ class PipelineTiming:
         self.samples += samples
         self.epoch_seconds.append(seconds)
         self.epoch_timing.append(summed)
+
+    @property
+    def data_wait_fraction(self) -> float | None:
+        """The stages' share of their time (wall x S) spent getting rows."""
+        stage_seconds = sum(self.epoch_seconds) * self.num_stages
+        return sum(t.get("data_wait_s", 0.0) for t in self.epoch_timing) / stage_seconds if stage_seconds else None
 
     @property
     def samples_per_second(self) -> float | None:

@@ -17,6 +17,7 @@ from ray_jobs.checkpoint import TrainState
 from ray_jobs.config import TrainConfig
 from ray_jobs.data import Dataset, read_dataset, synthesize, table_to_dataset
 from ray_jobs.resume import check_rerun, record_settings
+from ray_jobs.stream import StreamDataset, plan_stream, uncompressed_bytes
 from ray_jobs.summary import TrainSummary
 from ray_jobs.training import check_batch_fits, initial_model
 
@@ -31,7 +32,7 @@ class PreparedRun:
 
     cfg: TrainConfig
     strategy: str
-    dataset: Dataset
+    dataset: Dataset | StreamDataset
     initial_state: dict[str, torch.Tensor]
     name: str
     storage_path: str
@@ -41,11 +42,28 @@ class PreparedRun:
         return storage.join(self.storage_path, self.name)
 
 
-def load_data(cfg: TrainConfig) -> Dataset:
+def load_data(cfg: TrainConfig) -> Dataset | StreamDataset:
+    """The data, whole in memory or as a stream's metadata (``--ingest``); says which and why."""
     if cfg.data is None:
         table = synthesize(SYNTHETIC_ROWS, SYNTHETIC_IN, SYNTHETIC_OUT, "regression", cfg.seed)
         return table_to_dataset(table, task=cfg.task, num_classes=cfg.num_classes)
+    mode, why = ingest_mode(cfg)
+    print(f"[raypar] ingest: {mode} ({why})", flush=True)
+    if mode == "stream":
+        return plan_stream(cfg.data, cfg.feature_column, cfg.target_column, cfg.task, cfg.num_classes,
+                           cfg.shuffle_window_rows)
     return read_dataset(cfg.data, cfg.feature_column, cfg.target_column, cfg.task, cfg.num_classes)
+
+
+def ingest_mode(cfg: TrainConfig) -> tuple[str, str]:
+    if cfg.ingest != "auto":
+        return cfg.ingest, f"--ingest {cfg.ingest}"
+    size = uncompressed_bytes(cfg.data)
+    limit = cfg.memory_ingest_limit_mb * 2**20
+    relation = "at most" if size <= limit else "over"
+    return ("memory" if size <= limit else "stream",
+            f"the data is {size / 2**20:,.1f} MiB uncompressed, {relation} --memory-ingest-limit-mb "
+            f"{cfg.memory_ingest_limit_mb:g}")
 
 
 def prepare(cfg: TrainConfig, strategy: str) -> PreparedRun:
@@ -91,6 +109,10 @@ def finish(
         config={**asdict(cfg), "name": prepared.name, **extra_config},
         run_dir=prepared.run_dir,
         worker_nodes=metrics.get("worker_nodes"),
+        resumed_from_step=metrics.get("resumed_from_step"),
+        ingest=dataset.ingest,
+        bytes_read=metrics.get("bytes_read", dataset.file_bytes if dataset.ingest == "memory" else None),
+        data_wait_fraction=metrics.get("data_wait_fraction"),
         extra=extra or {},
     )
     storage.write(storage.join(prepared.run_dir, "model.pt"), lambda stream: torch.save(final.model, stream))

@@ -21,10 +21,10 @@ import torch.distributed as dist
 from models import build_model, split_into_stages
 from ray_jobs.checkpoint import TrainState, load_named_optimizer_state, named_optimizer_state, rng_state, set_rng_state
 from ray_jobs.config import TrainConfig
-from ray_jobs.data import Dataset
 from ray_jobs.errors import Failure, describe
 from ray_jobs.readings import peak_rss_bytes
 from ray_jobs.schedules import FORWARD, SCHEDULES, peak_live_activations
+from ray_jobs.stream import open_source
 from ray_jobs.training import build_optimizer, loss_function, microbatches, rank_seed
 
 # Receives posted ahead of need (p2p transport), at least; see ``receives_ahead``.
@@ -54,11 +54,12 @@ class StageWorker:
         num_stages: int,
         num_microbatches: int,
         train: dict[str, Any],
-        dataset: Dataset,
+        dataset,
         initial_slice: dict[str, torch.Tensor],
         num_threads: int,
         use_gpu: bool,
         device_transport: bool = False,
+        reader=None,
     ) -> None:
         cfg = TrainConfig(**train)
         torch.set_num_threads(num_threads)
@@ -77,9 +78,8 @@ class StageWorker:
         self.module.load_state_dict(initial_slice)
         self.optimizer = build_optimizer(self.module.parameters(), cfg)
         self.loss_fn = loss_function(dataset.task)
-        features, targets = dataset.tensors()
-        self.features = features if self.is_first else None
-        self.targets = targets if self.is_last else None
+        # Rows by the driver's indices (row indices in memory, stream indices when streaming).
+        self.source = open_source(dataset, reader, cfg.seed, cfg.shuffle, torch.device("cpu"))
         self.alive: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.loss_sum = torch.zeros(())
         self.timing = _new_timing()
@@ -93,14 +93,11 @@ class StageWorker:
     def forward(self, microbatch: int, activation: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
         if self.fail_forward:
             raise RuntimeError("injected fault")
+        x, target = self._inputs(rows, activation)
         began = time.perf_counter()
-        if self.is_first:
-            x = self.features[rows].to(self.device)
-        else:
-            x = activation.to(self.device).requires_grad_()
         out = self.module(x)
         if self.is_last:
-            loss = self.loss_fn(out, self.targets[rows].to(self.device))
+            loss = self.loss_fn(out, target)
             self.loss_sum += loss.detach().cpu()
             # Divide by num_microbatches so the accumulated gradient is the global-batch mean.
             out = loss / self.num_microbatches
@@ -121,6 +118,17 @@ class StageWorker:
             out.backward(grad.to(self.device))
         self._record_op(began)
         return None if self.is_first else self._send(x.grad.detach())
+
+    def _inputs(self, rows: torch.Tensor, activation: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This micro-batch's input (its rows' features on the first stage) and its targets (on
+        the last); the time getting rows is the stage's data wait, not compute."""
+        features = targets = None
+        if self.is_first or self.is_last:
+            began = time.perf_counter()
+            features, targets = self.source.rows(rows)
+            self.timing["data_wait_s"] += time.perf_counter() - began
+        x = features.to(self.device) if self.is_first else activation.to(self.device).requires_grad_()
+        return x, targets.to(self.device) if self.is_last else None
 
     def _record_op(self, began: float) -> None:
         seconds = time.perf_counter() - began
@@ -265,20 +273,21 @@ class StageWorker:
         self.fail_forward = True
 
 
-def meta_stages(cfg: TrainConfig, dataset: Dataset, num_stages: int) -> list[torch.nn.Module]:
+def meta_stages(cfg: TrainConfig, dataset, num_stages: int) -> list[torch.nn.Module]:
     """The model cut into stages on the meta device: shapes and names, no memory."""
     with torch.device("meta"):
         model = build_model(cfg.model, dataset.in_features, dataset.out_features, **cfg.model_options)
     return split_into_stages(model, num_stages)
 
 
-def stage_keys(cfg: TrainConfig, dataset: Dataset, num_stages: int) -> list[set[str]]:
+def stage_keys(cfg: TrainConfig, dataset, num_stages: int) -> list[set[str]]:
     """Each stage's ``state_dict`` keys: what of a full state each stage is sent."""
     return [set(stage.state_dict()) for stage in meta_stages(cfg, dataset, num_stages)]
 
 
 def _new_timing() -> dict[str, float]:
-    return {"compute_s": 0.0, "optimizer_s": 0.0, "receive_wait_s": 0.0, CALLS: 0.0, "peak_live_microbatches": 0,
+    return {"compute_s": 0.0, "optimizer_s": 0.0, "receive_wait_s": 0.0, CALLS: 0.0, "data_wait_s": 0.0,
+            "peak_live_microbatches": 0,
             "op_seconds": [], "step_seconds": []}
 
 

@@ -26,8 +26,8 @@ class StageGroup:
     """One placement-group bundle and one ``StageWorker`` actor per stage, and the transport
     between them. A start that fails removes everything it created before raising."""
 
-    def __init__(self, prepared: PreparedRun, scaling, crash_on_start: bool = False) -> None:
-        self.scaling = scaling
+    def __init__(self, prepared: PreparedRun, scaling, reader=None, crash_on_start: bool = False) -> None:
+        self.scaling, self.reader = scaling, reader
         self.group = placement_group(scaling.bundles, strategy=scaling.placement_strategy)
         self.actors: list = []
         self.nodes: list[str] = []
@@ -72,6 +72,7 @@ class StageGroup:
         return actor_cls.remote(
             index, self.scaling.num_stages, self.scaling.num_microbatches, asdict(prepared.cfg), dataset,
             initial_slice, max(1, int(self.scaling.cpus_per_stage)), self.scaling.use_gpu, device_transport,
+            self.reader,
         )
 
     def gather_state(self) -> tuple[dict, dict, list]:

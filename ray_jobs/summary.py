@@ -18,6 +18,13 @@ class TrainSummary:
     config: dict[str, Any]
     run_dir: str
     worker_nodes: list[str] | None = None
+    resumed_from_step: int | None = None
+    """The step within ``resumed_from_epoch``'s epoch the run resumed at (0: an epoch's start)."""
+    ingest: str = "memory"
+    bytes_read: int | None = None
+    """Parquet bytes read from storage by the run, all processes together (this attempt's)."""
+    data_wait_fraction: float | None = None
+    """Share of the training loop's time spent getting batches' rows (waiting for the stream)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -27,6 +34,12 @@ class TrainSummary:
             record.pop("worker_nodes")
         return json.dumps(record, indent=2)
 
+    def _resumed(self) -> str:
+        if self.resumed_from_epoch is None:
+            return "-"
+        return f"{self.resumed_from_epoch}, step {self.resumed_from_step}" if self.resumed_from_step else \
+            str(self.resumed_from_epoch)
+
     def table(self) -> str:
         """A short human-readable result table."""
         rows = [
@@ -35,7 +48,9 @@ class TrainSummary:
             ("epochs completed", self.epochs_completed),
             ("first / last loss", f"{self.losses[0]:.6f} / {self.losses[-1]:.6f}" if self.losses else "-"),
             ("samples/s", f"{self.samples_per_second:,.0f}" if self.samples_per_second else "-"),
-            ("resumed from epoch", self.resumed_from_epoch if self.resumed_from_epoch is not None else "-"),
+            ("resumed from epoch", self._resumed()),
+            ("ingest", f"{self.ingest}, data wait {self.data_wait_fraction:.1%}" if self.data_wait_fraction
+             is not None else self.ingest),
             ("nodes", len(set(self.worker_nodes or self.extra.get("stage_nodes", [])))),
             ("run directory", self.run_dir),
         ]

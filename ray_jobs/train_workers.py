@@ -26,6 +26,7 @@ from ray_jobs.loop import LoopConfig, train_loop_per_worker
 from ray_jobs.preflight import wait_for_bundles
 from ray_jobs.runner import PreparedRun, finish, recorded_failure
 from ray_jobs.session import WORKER_ENV
+from ray_jobs.stream import reader_stats, stream_reader
 from ray_jobs.summary import TrainSummary
 
 # Ray Train's controller polls its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by
@@ -42,14 +43,20 @@ def run_workers(
     prepared: PreparedRun,
     scaling: WorkerScaling,
     wrap: Callable[[nn.Module, torch.device], nn.Module],
-    crash_at_epoch: int | None = None,
-    fail_at_epoch: int | None = None,
+    **faults,
 ) -> TrainSummary:
-    """Train ``prepared`` with ``scaling.num_workers`` Ray Train workers; Ray must be connected."""
+    """Train ``prepared`` with ``scaling.num_workers`` Ray Train workers; Ray must be connected.
+    ``faults``: ``LoopConfig``'s fault injection, for tests."""
     cfg = prepared.cfg
     scaling.check(cfg)
     bundles = [scaling.resources_per_worker] * scaling.num_workers
     wait_for_bundles(bundles, scaling.placement_strategy, f"--num-workers {scaling.num_workers}", cfg.resource_timeout)
+    with stream_reader(prepared) as reader:
+        return _fit(prepared, scaling, wrap, reader, faults)
+
+
+def _fit(prepared: PreparedRun, scaling: WorkerScaling, wrap, reader, faults: dict) -> TrainSummary:
+    cfg = prepared.cfg
     loop = LoopConfig(
         train=asdict(cfg),
         dataset=ray.put(prepared.dataset),
@@ -57,8 +64,8 @@ def run_workers(
         wrap=wrap,
         num_threads=max(1, int(scaling.cpus_per_worker)),
         run_dir=storage.locate(prepared.run_dir),  # the driver's filesystem settings travel with it
-        crash_at_epoch=crash_at_epoch,
-        fail_at_epoch=fail_at_epoch,
+        reader=reader,
+        **faults,
     )
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -90,7 +97,7 @@ def run_workers(
         raise TrainingFailed(failure)
     # The same source resume uses: Ray's result can lack a checkpoint it never registered.
     final = latest_checkpoint(prepared.run_dir)
-    metrics = result.metrics or {}
+    metrics = {**(result.metrics or {}), **reader_stats(reader)}
     extra = {key: metrics.get(key) for key in ("worker_node_ranks", "epoch_seconds", "epoch_steal", "first_step_at",
                                                 "worker_peak_rss_bytes")}
     return finish(prepared, final, metrics, scaling.num_workers, {"scaling": asdict(scaling)}, extra)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -21,6 +22,48 @@ def epoch_order(num_rows: int, seed: int, epoch: int, shuffle: bool) -> torch.Te
     if not shuffle:
         return torch.arange(num_rows)
     return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
+
+
+def stream_windows(block_rows: Sequence[int], seed: int, epoch: int, shuffle: bool, window_rows: int) -> list[list[int]]:
+    """Order contract v2 (``--ingest stream``): epoch ``epoch``'s shuffle windows, each a list of
+    block indices (Parquet row groups, files in name order) in the window's order. Blocks are
+    visited in ``randperm(num_blocks, seed + epoch)`` order (file order without shuffle), and a
+    window closes as soon as it holds at least ``window_rows`` rows; the last may hold fewer."""
+    if shuffle:
+        visit = torch.randperm(len(block_rows), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    else:
+        visit = list(range(len(block_rows)))
+    windows, current, size = [], [], 0
+    for block in visit:
+        current.append(block)
+        size += block_rows[block]
+        if size >= window_rows:
+            windows.append(current)
+            current, size = [], 0
+    return windows + [current] if current else windows
+
+
+def window_permutation(num_rows: int, seed: int, epoch: int, window: int, shuffle: bool) -> torch.Tensor | None:
+    """How window ``window`` of epoch ``epoch`` permutes its rows (listed in its block order);
+    None without shuffle. The seed is apart from every epoch's block shuffle by 2**32 per window."""
+    if not shuffle:
+        return None
+    return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch + (window + 1) * 2**32))
+
+
+def stream_epoch_order(block_rows: Sequence[int], seed: int, epoch: int, shuffle: bool,
+                       window_rows: int) -> torch.Tensor:
+    """Order contract v2 as global row indices: the windows' permuted rows, concatenated. The
+    stream never builds it (each window is permuted as it is read); the tests' reference does."""
+    starts = [0]
+    for rows in block_rows:
+        starts.append(starts[-1] + rows)
+    parts = []
+    for index, window in enumerate(stream_windows(block_rows, seed, epoch, shuffle, window_rows)):
+        rows = torch.cat([torch.arange(starts[block], starts[block + 1]) for block in window])
+        permutation = window_permutation(len(rows), seed, epoch, index, shuffle)
+        parts.append(rows if permutation is None else rows[permutation])
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
 def rank_seed(seed: int, rank: int, epoch: int = 0) -> int:
@@ -109,9 +152,10 @@ def train_step(
     return loss.detach()
 
 
-def non_finite_loss(step_losses: list[float], epoch: int) -> str | None:
-    """The message for the first NaN/inf global-batch loss of an epoch, or None."""
-    for step, loss in enumerate(step_losses):
+def non_finite_loss(step_losses: list[float], epoch: int, first_step: int = 0) -> str | None:
+    """The message for the first NaN/inf global-batch loss of an epoch (``step_losses`` start at
+    global batch ``first_step``), or None."""
+    for step, loss in enumerate(step_losses, start=first_step):
         if not math.isfinite(loss):
             return (
                 f"loss became {loss} at epoch {epoch + 1}, step {step + 1}; lower --lr or check the data "

@@ -7,14 +7,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import torch
 
 from cluster.local import free_port
 from ray_jobs import ddp, dp, pipeline
 from ray_jobs.config import TrainConfig, WorkerScaling
-from ray_jobs.data import read_dataset
+from ray_jobs.data import read_dataset, synthesize, write_table
 from ray_jobs.runner import prepare
 from ray_jobs.summary import TrainSummary
+from ray_jobs.training import stream_epoch_order
 from tests.reference import reference_train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,14 +39,42 @@ def run_strategy(strategy: str, cfg: TrainConfig, num_workers: int = 1, scaling=
 
 
 def reference_for(cfg: TrainConfig, init_state: dict | None = None):
-    """The single-process reference for a config, from the same data file."""
+    """The single-process reference for a config, from the same data file; a streamed run's
+    (``--ingest stream``) visits rows in order contract v2's order."""
     features, targets, out_features = tensors(cfg.data)
     options = {k: v for k, v in cfg.model_options.items() if v is not None}
     keys = ("model", "epochs", "batch_size", "lr", "seed", "shuffle", "optimizer", "momentum", "weight_decay")
+    orders = None
+    if cfg.ingest == "stream":
+        rows = block_rows(cfg.data)
+
+        def orders(epoch: int) -> torch.Tensor:
+            return stream_epoch_order(rows, cfg.seed, epoch, cfg.shuffle, cfg.shuffle_window_rows)
     return reference_train(
         features=features, targets=targets, out_features=out_features, init_state=init_state,
-        **{k: getattr(cfg, k) for k in keys}, **options,
+        epoch_orders=orders, **{k: getattr(cfg, k) for k in keys}, **options,
     )
+
+
+# A streamed dataset's files: uneven row groups, 40 rows in groups of 7, 56 in 16, 24 in 5.
+STREAM_FILES = [(40, 7), (56, 16), (24, 5)]
+
+
+def write_parts(directory, task: str = "regression", query: str = "") -> str:
+    """``STREAM_FILES`` under ``directory`` (a path or a URI, its options in ``query``)."""
+    table = synthesize(sum(rows for rows, _ in STREAM_FILES), 6, 4 if task == "classification" else 3, task, seed=3)
+    start = 0
+    for index, (rows, group) in enumerate(STREAM_FILES):
+        write_table(table.slice(start, rows), f"{directory}/part-{index}.parquet{query}", row_group_rows=group)
+        start += rows
+    return f"{directory}{query}"
+
+
+def block_rows(path: str) -> list[int]:
+    """Row counts of a Parquet file's or directory's row groups, files in name order."""
+    files = sorted(Path(path).glob("*.parquet")) if Path(path).is_dir() else [Path(path)]
+    return [meta.row_group(i).num_rows for meta in (pq.read_metadata(f) for f in files)
+            for i in range(meta.num_row_groups)]
 
 
 def load_weights(run_dir: str) -> dict[str, torch.Tensor]:

@@ -26,6 +26,7 @@ def reference_train(
     momentum: float = 0.0,
     weight_decay: float = 0.0,
     init_state: dict | None = None,
+    epoch_orders=None,
     **model_options,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     torch.manual_seed(seed)
@@ -40,7 +41,9 @@ def reference_train(
     n = len(features)
     losses = []
     for epoch in range(epochs):
-        if shuffle:
+        if epoch_orders is not None:  # a given order per epoch (the stream's contract v2)
+            order = epoch_orders(epoch)
+        elif shuffle:
             order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
         else:
             order = torch.arange(n)

@@ -70,9 +70,9 @@ def test_a_real_process_prints_no_traceback(tmp_path):
 
 
 HELP_SECTIONS = {
-    "ddp": ["data", "model", "training", "placement", "checkpoints"],
-    "dp": ["data", "model", "training", "placement", "checkpoints"],
-    "pipeline": ["data", "model", "training", "pipeline", "placement", "checkpoints"],
+    "ddp": ["data", "model", "training", "placement", "checkpoints", "ingest"],
+    "dp": ["data", "model", "training", "placement", "checkpoints", "ingest"],
+    "pipeline": ["data", "model", "training", "pipeline", "placement", "checkpoints", "ingest"],
 }
 
 

@@ -35,6 +35,9 @@ CHANGES = {
     "weight_decay": (["--weight-decay", "0.1"], "--weight-decay 0.0 -> 0.1"),
     "seed": (["--seed", "3"], "--seed 11 -> 3"),
     "shuffle": (["--no-shuffle"], "--shuffle on -> off"),
+    "ingest": (["--ingest", "stream"], "--ingest auto -> stream"),
+    "memory_ingest_limit_mb": (["--memory-ingest-limit-mb", "10"], "--memory-ingest-limit-mb 1024.0 -> 10.0"),
+    "shuffle_window_rows": (["--shuffle-window-rows", "100"], "--shuffle-window-rows 65536 -> 100"),
 }
 BASE = ["--model", "seed-mlp", "--hidden", "8", "--epochs", "3", "--batch-size", "16", "--seed", "11",
         "--momentum", "0.9", "--name", "run"]
@@ -93,6 +96,7 @@ def test_every_difference_is_listed_at_once(started, capsys):
 def test_operational_flags_and_more_epochs_may_change(started):
     _, cfg, run_dir = started
     changed = dataclasses.replace(cfg, epochs=5, max_failures=2, resource_timeout=5.0, checkpoint_every=2,
+                                  checkpoint_every_steps=3,
                                   num_checkpoints_to_keep=4, data=os.path.relpath(cfg.data))  # same file
     assert check_rerun(changed, "run", run_dir) == 2
 

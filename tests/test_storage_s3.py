@@ -13,7 +13,7 @@ from models import build_model
 from ray_jobs import storage
 from ray_jobs.config import TrainConfig
 from ray_jobs.data import read_dataset, synthesize, write_table
-from tests.helpers import assert_same_weights, reference_for, run_strategy, with_
+from tests.helpers import assert_same_weights, reference_for, run_strategy, with_, write_parts
 
 
 def test_run_names_go_into_the_path_and_options_stay_in_the_query():
@@ -67,3 +67,18 @@ def test_the_endpoint_from_the_environment_reaches_the_workers(ray_cluster, s3_e
     assert summary.resumed_from_epoch == 1
     weights = torch.load(io.BytesIO(storage.read_bytes(f"{summary.run_dir}/model.pt")), weights_only=True)
     assert_same_weights(weights, reference_for(with_(cfg, data=regression_data))[0])
+
+
+@pytest.mark.ray
+def test_streaming_from_a_bucket_and_resuming_mid_epoch_from_it(ray_cluster, s3_endpoint, bucket, tmp_path):
+    query = f"?endpoint_override={s3_endpoint}&scheme=http"
+    cfg = TrainConfig(model="seed-mlp", hidden=8, data=write_parts(f"s3://{bucket}/stream", query=query),
+                      ingest="stream", shuffle_window_rows=24, epochs=2, batch_size=16, seed=9, momentum=0.9,
+                      checkpoint_every_steps=2, max_failures=1, storage_path=f"s3://{bucket}/runs{query}",
+                      name="stream")
+    # The kill comes after the checkpoint at step 2 of epoch 1: the restart reads it from the bucket.
+    summary = run_strategy("ddp", cfg, num_workers=2, crash_at_epoch=1, crash_at_step=3)
+    assert (summary.resumed_from_epoch, summary.resumed_from_step, summary.ingest) == (1, 2, "stream")
+    weights = torch.load(io.BytesIO(storage.read_bytes(storage.join(summary.run_dir, "model.pt"))), weights_only=True)
+    local = with_(cfg, data=write_parts(tmp_path))  # the same files, locally, for the reference
+    assert_same_weights(weights, reference_for(local)[0])

@@ -1,0 +1,363 @@
+"""Streaming ingest (``--ingest stream``): Parquet far larger than memory, read once per epoch.
+
+The driver reads only metadata (schema, row-group sizes and statistics) into a ``StreamDataset``.
+One ``WindowReader`` actor per run reads order contract v2's windows (``training.stream_windows``)
+in turn, validates and permutes each, and puts it in the object store once; every worker or
+stage on a node maps it from there (zero-copy numpy), so each row is read from storage once per
+epoch for the whole cluster and decoded once. The reader prefetches the next window while the
+current one is consumed, and drops its reference to windows behind: a process holds about two
+windows of decoded rows, whatever the dataset's size.
+
+Workers address rows by *stream index* ``epoch * num_rows + position``, the position in the
+epoch's order: global batches and their slices are cut from it exactly as from ``epoch_order``
+in memory, and a source turns indices into rows (``MemorySource``, ``StreamSource``).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import torch
+
+from ray_jobs.data import Dataset, parquet_files, stored_num_classes, table_to_dataset
+from ray_jobs.errors import Failure
+from ray_jobs.storage import resolve
+from ray_jobs.training import epoch_order, stream_windows, window_permutation
+
+# Windows whose object-store reference the reader keeps: the one being consumed, the one before
+# (a global batch can straddle them) and the prefetched next.
+CACHED_WINDOWS = 3
+
+
+@dataclass(frozen=True)
+class Block:
+    """One Parquet row group: the unit the stream reads and shuffles."""
+
+    file: str
+    row_group: int
+    num_rows: int
+    compressed_bytes: int
+
+
+@dataclass
+class StreamDataset:
+    """What the metadata says of a dataset that is streamed, never loaded whole."""
+
+    filesystem: pafs.FileSystem
+    blocks: list[Block]
+    feature_column: str
+    target_column: str
+    task: str
+    in_features: int
+    out_features: int
+    num_classes: int | None
+    reason: str
+    uncompressed_bytes: int
+    window_rows: int = 65536
+    ingest: str = field(default="stream", init=False)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(block.num_rows for block in self.blocks)
+
+    @property
+    def block_rows(self) -> list[int]:
+        return [block.num_rows for block in self.blocks]
+
+    @property
+    def file_bytes(self) -> int:
+        return sum(block.compressed_bytes for block in self.blocks)
+
+
+def uncompressed_bytes(path: str) -> int:
+    """The data's decoded size from the Parquet metadata alone: what ``--ingest auto`` compares."""
+    filesystem, fs_path = resolve(path)
+    if filesystem.get_file_info(fs_path).type == pafs.FileType.NotFound:
+        raise ValueError(f"--data {path}: no such file or directory")
+    total = 0
+    for file in parquet_files(filesystem, fs_path):
+        try:
+            metadata = pq.ParquetFile(file, filesystem=filesystem).metadata
+        except (pa.ArrowInvalid, OSError) as error:
+            raise ValueError(f"--data {file}: not readable as Parquet ({str(error).splitlines()[0]})") from None
+        total += sum(metadata.row_group(i).total_byte_size for i in range(metadata.num_row_groups))
+    return total
+
+
+def plan_stream(path: str, feature_column: str, target_column: str, task: str, num_classes: int | None,
+                window_rows: int) -> StreamDataset:
+    """Everything the metadata can tell, checked before any Ray resource is asked for."""
+    filesystem, fs_path = resolve(path)
+    files = parquet_files(filesystem, fs_path)
+    if not files:
+        raise ValueError(f"--data {path}: no Parquet files")
+    blocks, first_schema, total = [], None, 0
+    for file in files:
+        try:
+            metadata = pq.ParquetFile(file, filesystem=filesystem).metadata
+        except (pa.ArrowInvalid, OSError) as error:
+            raise ValueError(f"--data {file}: not readable as Parquet ({str(error).splitlines()[0]})") from None
+        schema = metadata.schema.to_arrow_schema()
+        for column in (feature_column, target_column):
+            if column not in schema.names:
+                raise ValueError(f"--data {file}: column {column!r} is missing; it has {', '.join(schema.names)}")
+        mine = (schema.field(feature_column).type, schema.field(target_column).type)
+        if first_schema is None:
+            first_schema = (file, mine)
+        elif mine != first_schema[1]:
+            raise ValueError(f"--data: the files' schemas differ: {first_schema[0]} has {feature_column}: "
+                             f"{first_schema[1][0]}, {target_column}: {first_schema[1][1]}; {file} has "
+                             f"{feature_column}: {mine[0]}, {target_column}: {mine[1]}")
+        for index in range(metadata.num_row_groups):
+            group = metadata.row_group(index)
+            _check_statistics(file, index, group, target_column)
+            blocks.append(Block(file, index, group.num_rows,
+                                sum(group.column(c).total_compressed_size for c in range(group.num_columns))))
+            total += group.total_byte_size
+    if not any(block.num_rows for block in blocks):
+        raise ValueError("the dataset has no rows")
+    # Widths, task and classes from the first row group with rows, decoded alone: the one data read.
+    first = next(block for block in blocks if block.num_rows)
+    sample = _decode(filesystem, first, feature_column, target_column, task, num_classes)
+    classes = _num_classes(filesystem, files, blocks, target_column, sample, num_classes)
+    if classes != sample.num_classes:
+        sample = _decode(filesystem, first, feature_column, target_column, task, classes)
+    largest = max(block.num_rows for block in blocks)
+    if largest > window_rows:
+        import warnings
+
+        warnings.warn(f"--data: a row group of {largest} rows is larger than --shuffle-window-rows {window_rows}, so "
+                      "every window is one row group; raise the window, or rewrite the data with smaller row groups: "
+                      "python -m ray_jobs.data reshard --row-group-rows R", stacklevel=2)
+    return StreamDataset(filesystem, blocks, feature_column, target_column, sample.task, sample.in_features,
+                         sample.out_features, sample.num_classes, sample.reason, total, window_rows)
+
+
+def _check_statistics(file: str, index: int, group, target_column: str) -> None:
+    """Nulls in a scalar target column show in the row group's statistics: found before training."""
+    for c in range(group.num_columns):
+        chunk = group.column(c)
+        if chunk.path_in_schema == target_column and chunk.statistics is not None \
+                and chunk.statistics.has_null_count and chunk.statistics.null_count:
+            raise ValueError(f"--data {file} row group {index}: column {target_column!r} has "
+                             f"{chunk.statistics.null_count} null rows; every row needs a value")
+
+
+def _num_classes(filesystem, files: list[str], blocks: list[Block], target_column: str,
+                 sample: Dataset, stated: int | None) -> int | None:
+    """K without reading the labels: the flag, the files' metadata, else the row groups' max statistics."""
+    if sample.task != "classification" or stated is not None:
+        return sample.num_classes
+    stored = stored_num_classes(filesystem, files)
+    if stored is not None:
+        return stored
+    largest = 0
+    for block in blocks:
+        group = pq.ParquetFile(block.file, filesystem=filesystem).metadata.row_group(block.row_group)
+        chunk = next(group.column(c) for c in range(group.num_columns) if group.column(c).path_in_schema == target_column)
+        if chunk.statistics is None or not chunk.statistics.has_min_max:
+            raise ValueError(f"--data {block.file} row group {block.row_group} has no label statistics: state "
+                             "--num-classes (a stream cannot read every label first)")
+        largest = max(largest, int(chunk.statistics.max))
+    return largest + 1
+
+
+def _decode(filesystem, block: Block, feature_column: str, target_column: str, task: str,
+            num_classes: int | None) -> Dataset:
+    """One row group, read, validated and decoded; a problem names its file and row group."""
+    try:
+        table = pq.ParquetFile(block.file, filesystem=filesystem).read_row_group(
+            block.row_group, columns=[feature_column, target_column])
+        return table_to_dataset(table, feature_column, target_column, task, num_classes)
+    except (ValueError, pa.ArrowInvalid) as error:
+        raise ValueError(f"--data {block.file} row group {block.row_group}: {error}") from None
+
+
+class WindowReader:
+    """The run's one reader of the stream (a Ray actor with threads): each window is read once,
+    put in the object store once, and prefetched while the one before is consumed."""
+
+    def __init__(self, dataset: StreamDataset, seed: int, shuffle: bool, num_epochs: int) -> None:
+        self.dataset, self.seed, self.shuffle, self.num_epochs = dataset, seed, shuffle, num_epochs
+        self.pool = ThreadPoolExecutor(max_workers=1)  # one read at a time, in window order
+        self.lock = threading.Lock()
+        self.windows: dict[tuple[int, int], Future] = {}
+        self.bytes_read = 0
+
+    def window(self, epoch: int, index: int) -> list:
+        """``[ObjectRef]`` of window ``index`` of ``epoch``: ``(features, targets)`` in stream order.
+        A list, so that Ray hands back the reference and every caller maps the one copy."""
+        future = self._request(epoch, index)
+        following = (epoch, index + 1) if index + 1 < len(self._plan(epoch)) else (epoch + 1, 0)
+        if following[0] < self.num_epochs:
+            self._request(*following)
+        return [future.result()]
+
+    def stats(self) -> dict[str, int]:
+        return {"bytes_read": self.bytes_read}
+
+    def _request(self, epoch: int, index: int) -> Future:
+        with self.lock:
+            if (epoch, index) not in self.windows:
+                self.windows[(epoch, index)] = self.pool.submit(self._read, epoch, index)
+                for old in sorted(self.windows)[:-CACHED_WINDOWS]:
+                    del self.windows[old]  # workers that took it keep their own reference
+            return self.windows[(epoch, index)]
+
+    def _plan(self, epoch: int) -> list[list[int]]:
+        return stream_windows(self.dataset.block_rows, self.seed, epoch, self.shuffle, self.dataset.window_rows)
+
+    def _read(self, epoch: int, index: int):
+        """Decode the window's row groups one at a time, each scattered straight to its rows'
+        places in the window's order: the reader holds one window and one row group, not more."""
+        import ray
+
+        blocks = [self.dataset.blocks[b] for b in self._plan(epoch)[index]]
+        num_rows = sum(block.num_rows for block in blocks)
+        permutation = window_permutation(num_rows, self.seed, epoch, index, self.shuffle)
+        # where each row, listed in the window's block order, lands in the permuted window
+        place = torch.argsort(permutation).numpy() if permutation is not None else np.arange(num_rows)
+        features = targets = None
+        start = 0
+        for block in blocks:
+            decoded = self._decode_block(block)
+            if features is None:
+                features = np.empty((num_rows, *decoded.features.shape[1:]), decoded.features.dtype)
+                targets = np.empty((num_rows, *decoded.targets.shape[1:]), decoded.targets.dtype)
+            rows = place[start:start + block.num_rows]
+            features[rows], targets[rows] = decoded.features, decoded.targets
+            start += block.num_rows
+            self.bytes_read += block.compressed_bytes
+        return ray.put((features, targets))
+
+    def _decode_block(self, block: Block) -> Dataset:
+        dataset = self.dataset
+        try:
+            decoded = _decode(dataset.filesystem, block, dataset.feature_column, dataset.target_column,
+                              dataset.task, dataset.num_classes)
+        except ValueError as error:
+            raise Failure(str(error)) from None
+        if decoded.in_features != dataset.in_features or decoded.out_features != dataset.out_features:
+            raise Failure(f"--data {block.file} row group {block.row_group}: {decoded.in_features} inputs and "
+                          f"{decoded.out_features} outputs; the data's first row group has "
+                          f"{dataset.in_features} and {dataset.out_features}")
+        return decoded
+
+
+@contextlib.contextmanager
+def stream_reader(prepared) -> Iterator:
+    """The run's reader actor while the run lasts, for a streamed dataset (else None). It holds
+    no CPU: Ray Train's workers may hold every CPU of the cluster, and reading must go on."""
+    if not isinstance(prepared.dataset, StreamDataset):
+        yield None
+        return
+    import ray
+
+    cfg = prepared.cfg
+    reader = ray.remote(num_cpus=0, max_concurrency=64)(WindowReader).remote(
+        prepared.dataset, cfg.seed, cfg.shuffle, cfg.epochs)
+    try:
+        yield reader
+    finally:
+        ray.kill(reader)
+
+
+def reader_stats(reader) -> dict[str, int]:
+    """``bytes_read`` by the run's reader; nothing without one."""
+    if reader is None:
+        return {}
+    import ray
+
+    return ray.get(reader.stats.remote())
+
+
+def epoch_indices(dataset, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
+    """What a source takes for epoch ``epoch``, in order: row indices in memory (contract v1),
+    stream indices when streaming (contract v2's order is applied by the reader)."""
+    if isinstance(dataset, StreamDataset):
+        return torch.arange(dataset.num_rows, dtype=torch.int64) + epoch * dataset.num_rows
+    return epoch_order(dataset.num_rows, seed, epoch, shuffle)
+
+
+class MemorySource:
+    """Rows of a dataset held in memory (shared from the object store, or copied to the device
+    once), by row index."""
+
+    def __init__(self, dataset: Dataset, device: torch.device) -> None:
+        self.device = device
+        self.features, self.targets = (tensor.to(device) for tensor in dataset.tensors())
+
+    def rows(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        indices = indices.to(self.device)
+        return self.features[indices], self.targets[indices]
+
+
+class StreamSource:
+    """Rows of a streamed dataset, by stream index, from the reader's windows: the window being
+    read from and the next (requested ahead) are mapped here, older ones released."""
+
+    def __init__(self, dataset: StreamDataset, reader, seed: int, shuffle: bool) -> None:
+        self.dataset, self.reader, self.seed, self.shuffle = dataset, reader, seed, shuffle
+        self.epoch: int | None = None
+        self.starts = torch.zeros(1, dtype=torch.int64)
+        self.requested: dict[int, object] = {}
+        self.mapped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def rows(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        epoch = int(indices[0]) // self.dataset.num_rows
+        self._enter(epoch)
+        positions = indices - epoch * self.dataset.num_rows
+        window = torch.searchsorted(self.starts, positions, right=True) - 1
+        features, targets = [], []
+        for k in torch.unique_consecutive(window).tolist():
+            chosen = window == k
+            offsets = positions[chosen] - self.starts[k]
+            window_features, window_targets = self._window(k)
+            features.append(window_features[offsets])
+            targets.append(window_targets[offsets])
+        return torch.cat(features), torch.cat(targets)
+
+    def _enter(self, epoch: int) -> None:
+        if epoch == self.epoch:
+            return
+        sizes = [sum(self.dataset.block_rows[b] for b in window) for window in
+                 stream_windows(self.dataset.block_rows, self.seed, epoch, self.shuffle, self.dataset.window_rows)]
+        self.epoch, self.requested, self.mapped = epoch, {}, {}
+        self.starts = torch.tensor([0, *np.cumsum(sizes).tolist()], dtype=torch.int64)
+
+    def _window(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if k not in self.mapped:
+            import ray
+
+            for wanted in (k, k + 1):  # ask for the next one now: it arrives while this is consumed
+                if wanted < len(self.starts) - 1 and wanted not in self.requested:
+                    self.requested[wanted] = self.reader.window.remote(self.epoch, wanted)
+            [ref] = ray.get(self.requested[k])
+            self.mapped[k] = _as_tensors(ray.get(ref))
+            for old in [w for w in self.mapped if w < k - 1]:
+                del self.mapped[old], self.requested[old]
+        return self.mapped[k]
+
+
+def _as_tensors(arrays) -> tuple[torch.Tensor, torch.Tensor]:
+    import warnings
+
+    with warnings.catch_warnings():
+        # Object-store arrays are read-only and shared by a node's processes; training only reads them.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return tuple(torch.from_numpy(array) for array in arrays)
+
+
+def open_source(dataset, reader, seed: int, shuffle: bool, device: torch.device):
+    """Rows by the indices ``epoch_indices`` gives: streamed rows arrive on the CPU, rows in
+    memory on ``device`` (where they were put once)."""
+    if isinstance(dataset, StreamDataset):
+        return StreamSource(dataset, reader, seed, shuffle)
+    return MemorySource(dataset, device)

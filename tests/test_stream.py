@@ -1,0 +1,136 @@
+"""Streaming ingest: the driver reads metadata only, every strategy trains the single-process
+reference's weights in order contract v2's order, and a resume mid-epoch ends the same."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from ray_jobs.config import TrainConfig
+from ray_jobs.data import main as data_main
+from ray_jobs.data import write_table
+from ray_jobs.errors import TrainingFailed
+from ray_jobs.pipeline import PipelineScaling
+from ray_jobs.runner import prepare
+from ray_jobs.stream import StreamDataset
+from tests.helpers import (assert_same_weights, block_rows, load_weights, reference_for, run_strategy, with_,
+                           write_parts)
+
+@pytest.fixture(scope="module")
+def stream_data(tmp_path_factory) -> str:
+    return write_parts(tmp_path_factory.mktemp("stream"))
+
+
+@pytest.fixture
+def cfg(stream_data, tmp_path) -> TrainConfig:
+    # A 24-row window holds 2 to 5 row groups; global batches of 16 straddle windows.
+    return TrainConfig(model="seed-mlp", hidden=8, data=stream_data, ingest="stream", shuffle_window_rows=24,
+                       epochs=2, batch_size=16, seed=9, momentum=0.9, storage_path=str(tmp_path), name="run")
+
+
+def test_the_driver_reads_metadata_only(cfg, monkeypatch, capsys):
+    def whole_read(*args, **kwargs):
+        raise AssertionError("a whole-table read in stream mode")
+
+    monkeypatch.setattr(pq, "read_table", whole_read)
+    monkeypatch.setattr(pq.ParquetFile, "read", whole_read)
+    dataset = prepare(cfg, "ddp").dataset
+    assert isinstance(dataset, StreamDataset) and dataset.num_rows == 120
+    assert dataset.block_rows == block_rows(cfg.data) == [7] * 5 + [5] + [16] * 3 + [8] + [5] * 4 + [4]
+    assert "[raypar] ingest: stream (--ingest stream)" in capsys.readouterr().out
+
+
+def test_auto_ingest_picks_by_uncompressed_size(cfg, capsys):
+    assert prepare(with_(cfg, ingest="auto"), "ddp").dataset.ingest == "memory"
+    assert "ingest: memory (the data is 0.0 MiB uncompressed, at most --memory-ingest-limit-mb 1024)" in \
+        capsys.readouterr().out
+    assert prepare(with_(cfg, ingest="auto", memory_ingest_limit_mb=0.001, name="small"), "ddp").dataset.ingest == "stream"
+
+
+def test_what_the_metadata_can_tell_is_found_before_training(tmp_path, cfg):
+    write_table(pa.table({"features": [[1.0, 2.0]], "target": [[1.0]]}), str(tmp_path / "a.parquet"))
+    write_table(pa.table({"features": [[1.0, 2.0]], "target": pa.array([1], pa.int64())}), str(tmp_path / "b.parquet"))
+    with pytest.raises(ValueError, match=r"the files' schemas differ: .*a.parquet has .*b.parquet has"):
+        prepare(with_(cfg, data=str(tmp_path)), "ddp")
+    nulls = tmp_path / "nulls"
+    nulls.mkdir()
+    write_table(pa.table({"features": [[1.0]] * 4, "target": pa.array([0, None, 1, 1], pa.int64())}),
+                str(nulls / "n.parquet"), row_group_rows=2)
+    with pytest.raises(ValueError, match=r"n.parquet row group 0: column 'target' has 1 null rows"):
+        prepare(with_(cfg, data=str(nulls), batch_size=2), "ddp")
+
+
+def test_a_row_group_larger_than_the_window_warns_with_the_fix(cfg):
+    with pytest.warns(UserWarning, match="python -m ray_jobs.data reshard --row-group-rows R"):
+        prepare(with_(cfg, shuffle_window_rows=10), "ddp")
+
+
+def test_reshard_rewrites_row_groups_and_keeps_the_rows(stream_data, tmp_path, capsys):
+    assert data_main(["reshard", stream_data, "--out", str(tmp_path / "out"), "--row-group-rows", "10"]) == 0
+    assert block_rows(str(tmp_path / "out")) == [10] * 4 + [10] * 5 + [6] + [10] * 2 + [4]
+    assert pq.read_table(str(tmp_path / "out")).equals(pq.read_table(stream_data))
+    out = str(tmp_path / "s.parquet")
+    assert data_main(["synth", "--out", out, "--rows", "40000"]) == 0
+    assert block_rows(out) == [16384, 16384, 7232]  # synth writes row groups of at most 16384 rows
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize(("strategy", "options", "shuffle"), [
+    ("ddp", {"num_workers": 1}, True),
+    ("ddp", {"num_workers": 2}, True),
+    ("ddp", {"num_workers": 2}, False),
+    ("dp", {}, True),
+    ("pipeline", {"scaling": PipelineScaling(num_stages=2, num_microbatches=4, schedule="gpipe")}, True),
+    ("pipeline", {"scaling": PipelineScaling(num_stages=2, num_microbatches=2, schedule="1f1b")}, False),
+])
+def test_streaming_trains_the_reference_weights(ray_cluster, cfg, strategy, options, shuffle):
+    cfg = with_(cfg, shuffle=shuffle)
+    summary = run_strategy(strategy, cfg, **options)
+    expected_weights, expected_losses = reference_for(cfg)
+    # as in memory: the gradient's summation order differs from one full-batch mean
+    assert_same_weights(load_weights(summary.run_dir), expected_weights)
+    assert summary.losses == pytest.approx(expected_losses, rel=1e-5)
+    record = json.loads(open(f"{summary.run_dir}/summary.json").read())
+    assert record["ingest"] == "stream" and record["resumed_from_step"] is None
+    file_bytes = sum(f.stat().st_size for f in Path(cfg.data).glob("*.parquet"))
+    assert 0 < record["bytes_read"] <= cfg.epochs * file_bytes  # each row group once per epoch
+    assert 0 <= record["data_wait_fraction"] < 1
+
+
+@pytest.mark.ray
+def test_classification_streams_too(ray_cluster, cfg, tmp_path):
+    (tmp_path / "labels").mkdir()
+    cfg = with_(cfg, data=write_parts(tmp_path / "labels", "classification"), name="classes")
+    summary = run_strategy("ddp", cfg, num_workers=2)
+    assert_same_weights(load_weights(summary.run_dir), reference_for(cfg)[0])
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("strategy", ["ddp", "pipeline"])
+def test_a_kill_after_a_mid_epoch_checkpoint_resumes_at_that_step(ray_cluster, cfg, strategy):
+    options = {"num_workers": 2} if strategy == "ddp" else {"scaling": PipelineScaling(num_stages=2)}
+    cfg = with_(cfg, checkpoint_every_steps=2, max_failures=1)
+    # 7 global batches an epoch: checkpoints after steps 2, 4 and 6; the kill comes after step 3.
+    summary = run_strategy(strategy, cfg, crash_at_epoch=1, crash_at_step=3, **options)
+    assert (summary.resumed_from_epoch, summary.resumed_from_step) == (1, 2)
+    expected_weights, expected_losses = reference_for(cfg)
+    assert_same_weights(load_weights(summary.run_dir), expected_weights)
+    assert summary.losses == pytest.approx(expected_losses, rel=1e-5)
+
+
+@pytest.mark.ray
+def test_bad_rows_stop_the_run_at_their_window_naming_file_and_row_group(ray_cluster, cfg, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    write_parts(bad)
+    table = pq.read_table(bad / "part-2.parquet")
+    features = table.column("features").to_pylist()
+    features[12][0] = float("nan")  # row group 2 of part-2
+    write_table(table.set_column(0, "features", pa.array(features, table.schema.field("features").type)),
+                str(bad / "part-2.parquet"), row_group_rows=5)
+    with pytest.raises(TrainingFailed, match=r"part-2.parquet row group 2: column 'features' has NaN"):
+        run_strategy("ddp", with_(cfg, data=str(bad), shuffle=False, checkpoint_every_steps=2), num_workers=2)
+    assert list((tmp_path / "run").glob("checkpoint_epoch_000000_step_*"))  # the last good one is kept
