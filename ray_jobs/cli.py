@@ -5,7 +5,9 @@ as one line naming its root cause and 1; a finished run re-run with its own sett
 """
 from __future__ import annotations
 
+import os
 import sys
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -64,3 +66,15 @@ def entry_point(
         return 130
     print(summary.table())
     return 0
+
+
+def exit_process(code: int) -> typing.NoReturn:
+    """End an entry point's process: flush, shut Ray down (which also ends a local Ray started
+    here), and exit without finalizing the interpreter. A run interrupted mid-fit leaves threads
+    (the fit's helper, Ray core's own) alive, and finalizing the interpreter under them crashed
+    the process now and then (seen once in ~20 interrupted runs: SIGSEGV instead of exit 130)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if ray.is_initialized():
+        ray.shutdown()
+    os._exit(code)

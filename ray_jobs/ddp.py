@@ -5,13 +5,12 @@ workers and sets up the process group (gloo on CPU, nccl on GPU); gradients are 
 """
 from __future__ import annotations
 
-import sys
 
 import ray.train.torch
 import torch
 from torch import nn
 
-from ray_jobs.cli import entry_point
+from ray_jobs.cli import entry_point, exit_process
 from ray_jobs.config import WorkerScaling
 from ray_jobs.runner import PreparedRun
 from ray_jobs.summary import TrainSummary
@@ -32,4 +31,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -6,13 +6,12 @@ scatter/gather on GPU 0: kept as the baseline DDP is measured against.
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from ray_jobs.cli import entry_point
+from ray_jobs.cli import entry_point, exit_process
 from ray_jobs.config import TrainConfig, WorkerScaling, flag_doc, require
 from ray_jobs.runner import PreparedRun
 from ray_jobs.summary import TrainSummary
@@ -55,4 +54,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

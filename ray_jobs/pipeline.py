@@ -9,7 +9,6 @@ channels between GPUs), or one actor call per op with object references (``actor
 """
 from __future__ import annotations
 
-import sys
 import time
 import warnings
 from collections import deque
@@ -21,7 +20,7 @@ from ray.exceptions import RayTaskError
 from models import build_model, split_into_stages
 from ray_jobs import interrupts, storage
 from ray_jobs.checkpoint import TrainState, checkpoint_name, latest_checkpoint, prune_checkpoints, write_checkpoint
-from ray_jobs.cli import entry_point
+from ray_jobs.cli import entry_point, exit_process
 from ray_jobs.config import PLACEMENT_STRATEGIES, TrainConfig, flag_doc, require, require_choice, require_divisible
 from ray_jobs.errors import TrainingFailed, root_cause
 from ray_jobs.pipeline_timing import PipelineTiming
@@ -263,4 +262,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -74,7 +74,7 @@ def wait_until_no_run_actors(dashboard_url: str) -> None:
 def test_interrupt_stops_the_job_keeps_the_checkpoint_and_leaves_no_actor(ray_cluster, tmp_path, module, args, signum):
     job = Job(module, *args, "--epochs", "100000", "--storage-path", str(tmp_path), "--name", "run")
     job.wait_for("[raypar] epoch 2/")
-    assert job.stop(signum) == 130
+    assert job.stop(signum) == 130, "".join(job.lines)
     assert "interrupted: stopping the run's workers" in "".join(job.lines)
     assert "Traceback" not in "".join(job.lines)
     wait_until_no_run_actors(ray_cluster.dashboard_url)
