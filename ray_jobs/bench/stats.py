@@ -18,6 +18,11 @@ MIN_QUIET_EPOCHS = 2
 TARGET_PIPELINE_SPEEDUP = 1.6
 TARGET_BUBBLE_POINTS = 0.05
 TARGET_INGEST_RATIO = 5.0
+TARGET_STREAM_GROWTH_MIB = 250  # peak RSS growth allowed for 16x the streamed data
+TARGET_STREAM_FED_HEADROOM = 2.0  # with this much reader headroom, a step must not wait ...
+TARGET_STREAM_DATA_WAIT = 0.02  # ... more than this share of the loop for its data
+TARGET_STREAM_READ_RATIO = 1.2  # Parquet bytes read per epoch over the file's size
+MIB = 1024 * 1024
 
 
 def stats(values: Sequence[float]) -> dict[str, Any]:
@@ -171,7 +176,37 @@ def targets(results: dict[str, Any]) -> list[dict]:
     ingest = results.get("ingest")
     found.append(target("ingest rows/s / DDP samples/s", ingest and ingest["ingest_over_training"],
                         f">= {TARGET_INGEST_RATIO:g}x", lambda v: v >= TARGET_INGEST_RATIO, "x"))
-    return found
+    return found + stream_targets(results.get("stream_ingest"))
+
+
+def _fed_target(headroom: float | None, fed: list[float] | None) -> dict:
+    name = f"stream: data wait share when the reader's headroom is >= {TARGET_STREAM_FED_HEADROOM:g}x"
+    goal = f"<= {TARGET_STREAM_DATA_WAIT}"
+    if headroom is not None and not fed:  # the bound holds only where the reader can keep ahead
+        return {"name": name, "goal": goal, "measured": None,
+                "status": f"not judged: headroom {headroom:.1f}x < {TARGET_STREAM_FED_HEADROOM:g}x"}
+    return target(name, stats(fed) if fed else None, goal, lambda v: v <= TARGET_STREAM_DATA_WAIT)
+
+
+def stream_targets(stream: dict[str, Any] | None) -> list[dict]:
+    """The streaming case's bounds: each one a single measurement, so met or missed outright."""
+    def one(value: float | None) -> dict[str, Any] | None:
+        return None if value is None else stats([value])
+
+    growth = stream and stream["growth"]["stream"]
+    runs = [run for run in stream["runs"] if run["ingest"] == "stream"] if stream else []
+    headroom = stream and stream["reader_rows_per_second"] / max(run["samples_per_second"] for run in runs)
+    fed = [run["data_wait_fraction"] for run in runs] if headroom and headroom >= TARGET_STREAM_FED_HEADROOM else None
+    reads = [run["bytes_read"] / (run["file_bytes"] * stream["workload"]["epochs"]) for run in runs]
+    return [
+        target("stream: driver peak RSS, 16x the data - 1x", one(growth and growth["driver_bytes"] / MIB),
+               f"< {TARGET_STREAM_GROWTH_MIB} MiB", lambda v: v < TARGET_STREAM_GROWTH_MIB, " MiB"),
+        target("stream: a worker's peak RSS, 16x the data - 1x", one(growth and growth["worker_bytes"] / MIB),
+               f"< {TARGET_STREAM_GROWTH_MIB} MiB", lambda v: v < TARGET_STREAM_GROWTH_MIB, " MiB"),
+        _fed_target(headroom, fed),
+        target("stream: bytes read per epoch / file size", stats(reads) if reads else None,
+               f"<= {TARGET_STREAM_READ_RATIO}x", lambda v: v <= TARGET_STREAM_READ_RATIO, "x"),
+    ]
 
 
 def _pipeline_row(pipe: dict, schedule: str, m: int, transport: str) -> dict | None:

@@ -72,6 +72,8 @@ class Suite:
     memory: Workload
     """The stage-memory case's model, fixed while the stage count grows."""
     memory_stages: tuple[int, ...]
+    stream: Workload
+    """The streaming case's model and its large dataset (``rows``; the small one has 1/16)."""
 
 
 SUITES: dict[str, Suite] = {
@@ -100,6 +102,8 @@ SUITES: dict[str, Suite] = {
         # out against the ~320 MiB every process holds for torch and pyarrow alone.
         memory=Workload("mlp", 2048, 8, rows=256, in_features=1024, out_features=1024, batch_size=64, epochs=1),
         memory_stages=(1, 2, 4),
+        # 3.8M rows of 64 + 4 floats: 1.0 GiB of Parquet (random floats barely compress).
+        stream=Workload("mlp", 64, 2, rows=3_800_000, in_features=64, out_features=4, batch_size=1024, epochs=1),
     ),
     "full": Suite(
         name="full",
@@ -121,6 +125,7 @@ SUITES: dict[str, Suite] = {
         ingest_repetitions=10,
         memory=Workload("mlp", 4096, 8, rows=512, in_features=1024, out_features=1024, batch_size=64, epochs=1),
         memory_stages=(1, 2, 4, 8),
+        stream=Workload("mlp", 256, 2, rows=3_800_000, in_features=64, out_features=4, batch_size=1024, epochs=2),
     ),
     "smoke": Suite(
         name="smoke",
@@ -142,6 +147,7 @@ SUITES: dict[str, Suite] = {
         ingest_repetitions=2,
         memory=Workload("mlp", 64, 4, rows=128, in_features=64, out_features=64, batch_size=32, epochs=1),
         memory_stages=(1, 2),
+        stream=Workload("mlp", 16, 2, rows=32768, in_features=8, out_features=2, batch_size=256, epochs=1),
     ),
 }
 

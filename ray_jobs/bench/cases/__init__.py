@@ -12,6 +12,7 @@ from ray_jobs.bench.cases.data_parallel import data_parallel_cases
 from ray_jobs.bench.cases.ingest import ingest_case
 from ray_jobs.bench.cases.pipeline import pipeline_case
 from ray_jobs.bench.cases.stage_memory import stage_memory_case
+from ray_jobs.bench.cases.stream_ingest import stream_ingest_case
 
 # The names ``--cases`` takes, in the order the cases run.
 CASES: dict[str, Callable[[Bench, dict[str, Any]], dict[str, Any]]] = {
@@ -19,4 +20,5 @@ CASES: dict[str, Callable[[Bench, dict[str, Any]], dict[str, Any]]] = {
     "pipeline": pipeline_case,
     "ingest": ingest_case,  # after data_parallel: it compares with the DDP job's consumption
     "stage_memory": stage_memory_case,
+    "stream_ingest": stream_ingest_case,
 }
