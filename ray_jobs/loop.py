@@ -114,7 +114,7 @@ class _Worker:
         self.source = open_source(dataset, loop.reader, cfg.seed, cfg.shuffle, device)
         self.first_step_at: float | None = None  # wall clock, comparable with the driver's
         self.losses = list(start.losses) if start else []
-        self.num_samples, self.data_s, self.epoch_seconds, self.epoch_steal = 0, 0.0, [], []
+        self.num_samples, self.epoch_seconds, self.epoch_steal = 0, [], []
         mine = (ray.get_runtime_context().get_node_id(), ctx.get_node_rank())
         nodes, node_ranks = (list(column) for column in zip(*_gather(mine, self.world_size)))
         self.report = {"worker_nodes": nodes, "worker_node_ranks": node_ranks,
@@ -131,10 +131,8 @@ class _Worker:
         for index, batch in enumerate(batches[first_step:]):
             if self.first_step_at is None:
                 self.first_step_at = time.time()
-            began = time.perf_counter()
             features, targets = self.source.rows(shard(batch, self.world_size, self.world_rank))
             features, targets = features.to(self.device), targets.to(self.device)
-            self.data_s += time.perf_counter() - began
             step_losses[index] = train_step(self.wrapped, self.optimizer, self.loss_fn, features, targets)
             step = first_step + index + 1
             if crash and self.world_rank == 0 and step - 1 == self.loop.crash_at_step:
@@ -161,7 +159,7 @@ class _Worker:
         self.report.update(epoch=epoch, loss=self.losses[-1], epochs_completed=epoch + 1,
                            epoch_seconds=list(self.epoch_seconds), epoch_steal=list(self.epoch_steal),
                            samples_per_second=self.num_samples / sum(self.epoch_seconds),
-                           data_wait_fraction=self.data_s / sum(self.epoch_seconds),
+                           data_wait_fraction=self.source.wait_s / sum(self.epoch_seconds),
                            first_step_at=self.first_step_at,
                            worker_peak_rss_bytes=_gather(peak_rss_bytes(), self.world_size))
         if self.world_rank == 0:

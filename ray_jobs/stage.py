@@ -121,12 +121,12 @@ class StageWorker:
 
     def _inputs(self, rows: torch.Tensor, activation: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This micro-batch's input (its rows' features on the first stage) and its targets (on
-        the last); the time getting rows is the stage's data wait, not compute."""
+        the last); time blocked on the stream's reader is the stage's data wait."""
         features = targets = None
         if self.is_first or self.is_last:
-            began = time.perf_counter()
+            waited = self.source.wait_s
             features, targets = self.source.rows(rows)
-            self.timing["data_wait_s"] += time.perf_counter() - began
+            self.timing["data_wait_s"] += self.source.wait_s - waited
         x = features.to(self.device) if self.is_first else activation.to(self.device).requires_grad_()
         return x, targets.to(self.device) if self.is_last else None
 

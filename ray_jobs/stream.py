@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ import torch
 
 from ray_jobs.data import Dataset, parquet_files, stored_num_classes, table_to_dataset
 from ray_jobs.errors import Failure
+from ray_jobs.checkpoint import latest_progress
 from ray_jobs.storage import resolve
 from ray_jobs.training import epoch_order, stream_windows, window_permutation
 
@@ -260,13 +262,28 @@ def stream_reader(prepared) -> Iterator:
         return
     import ray
 
-    cfg = prepared.cfg
-    reader = ray.remote(num_cpus=0, max_concurrency=64)(WindowReader).remote(
-        prepared.dataset, cfg.seed, cfg.shuffle, cfg.epochs)
+    cfg, dataset = prepared.cfg, prepared.dataset
+    reader = ray.remote(num_cpus=0, max_concurrency=64)(WindowReader).remote(dataset, cfg.seed, cfg.shuffle, cfg.epochs)
+    # Read the first window the run needs while Ray starts its workers (seconds), not after.
+    epoch, step = latest_progress(prepared.run_dir) or (0, 0)
+    if epoch < cfg.epochs:
+        reader.window.remote(epoch, window_at(dataset, cfg.seed, epoch, cfg.shuffle, step * cfg.batch_size))
     try:
         yield reader
     finally:
         ray.kill(reader)
+
+
+def window_at(dataset: StreamDataset, seed: int, epoch: int, shuffle: bool, position: int) -> int:
+    """The window of epoch ``epoch`` that holds position ``position``: from the metadata alone."""
+    return int(torch.searchsorted(window_starts(dataset, seed, epoch, shuffle), position, right=True)) - 1
+
+
+def window_starts(dataset: StreamDataset, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
+    """Each window's first position in epoch ``epoch``'s order, and the epoch's length last."""
+    windows = stream_windows(dataset.block_rows, seed, epoch, shuffle, dataset.window_rows)
+    sizes = [sum(dataset.block_rows[b] for b in window) for window in windows]
+    return torch.tensor([0, *np.cumsum(sizes).tolist()], dtype=torch.int64)
 
 
 def reader_stats(reader) -> dict[str, int]:
@@ -290,6 +307,8 @@ class MemorySource:
     """Rows of a dataset held in memory (shared from the object store, or copied to the device
     once), by row index."""
 
+    wait_s = 0.0  # rows in memory are always there
+
     def __init__(self, dataset: Dataset, device: torch.device) -> None:
         self.device = device
         self.features, self.targets = (tensor.to(device) for tensor in dataset.tensors())
@@ -309,28 +328,43 @@ class StreamSource:
         self.starts = torch.zeros(1, dtype=torch.int64)
         self.requested: dict[int, object] = {}
         self.mapped: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.wait_s = 0.0  # blocked until a window arrived: the data wait
 
     def rows(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         epoch = int(indices[0]) // self.dataset.num_rows
         self._enter(epoch)
         positions = indices - epoch * self.dataset.num_rows
+        first, last = int(positions[0]), int(positions[-1])
+        if last - first == len(positions) - 1:  # a contiguous run (a worker's slice): views, no gather
+            return self._span(first, last + 1)
         window = torch.searchsorted(self.starts, positions, right=True) - 1
         features, targets = [], []
         for k in torch.unique_consecutive(window).tolist():
-            chosen = window == k
-            offsets = positions[chosen] - self.starts[k]
+            offsets = positions[window == k] - self.starts[k]
             window_features, window_targets = self._window(k)
             features.append(window_features[offsets])
             targets.append(window_targets[offsets])
         return torch.cat(features), torch.cat(targets)
 
+    def _span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions ``start`` to ``end`` (exclusive): one window's slice, or the pieces of two."""
+        pieces = []
+        while start < end:
+            k = int(torch.searchsorted(self.starts, start, right=True)) - 1
+            stop = min(end, int(self.starts[k + 1]))
+            features, targets = self._window(k)
+            offset = int(self.starts[k])
+            pieces.append((features[start - offset:stop - offset], targets[start - offset:stop - offset]))
+            start = stop
+        if len(pieces) == 1:
+            return pieces[0]
+        return torch.cat([f for f, _ in pieces]), torch.cat([t for _, t in pieces])
+
     def _enter(self, epoch: int) -> None:
         if epoch == self.epoch:
             return
-        sizes = [sum(self.dataset.block_rows[b] for b in window) for window in
-                 stream_windows(self.dataset.block_rows, self.seed, epoch, self.shuffle, self.dataset.window_rows)]
         self.epoch, self.requested, self.mapped = epoch, {}, {}
-        self.starts = torch.tensor([0, *np.cumsum(sizes).tolist()], dtype=torch.int64)
+        self.starts = window_starts(self.dataset, self.seed, epoch, self.shuffle)
 
     def _window(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         if k not in self.mapped:
@@ -339,8 +373,10 @@ class StreamSource:
             for wanted in (k, k + 1):  # ask for the next one now: it arrives while this is consumed
                 if wanted < len(self.starts) - 1 and wanted not in self.requested:
                     self.requested[wanted] = self.reader.window.remote(self.epoch, wanted)
+            began = time.perf_counter()
             [ref] = ray.get(self.requested[k])
             self.mapped[k] = _as_tensors(ray.get(ref))
+            self.wait_s += time.perf_counter() - began
             for old in [w for w in self.mapped if w < k - 1]:
                 del self.mapped[old], self.requested[old]
         return self.mapped[k]

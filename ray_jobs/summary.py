@@ -24,7 +24,8 @@ class TrainSummary:
     bytes_read: int | None = None
     """Parquet bytes read from storage by the run, all processes together (this attempt's)."""
     data_wait_fraction: float | None = None
-    """Share of the training loop's time spent getting batches' rows (waiting for the stream)."""
+    """Share of the training loop's time spent blocked until rows arrived from the stream's reader
+    (world rank 0's; the stages' share of their time in a pipeline); 0 in memory."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
