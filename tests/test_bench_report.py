@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -39,8 +40,8 @@ def test_render_reports_each_target_met_missed_or_not_run():
                "machine": {"cpu_count": 2, "torch": "t", "ray": "r", "python": "p", "platform": "x"}}
     results["targets"] = targets(results)
     text = render(results)
-    assert "| ingest rows/s / DDP samples/s                 | >= 5x            |   100.00 | met     |" in text
-    assert text.count("| not run |") == 5  # the DDP and pipeline cases did not run
+    assert re.search(r"\| ingest rows/s / DDP samples/s +\| >= 5x +\| +100.00 \| met +\|", text)
+    assert len(re.findall(r"\| not run +\|", text)) == 9  # the DDP, pipeline and streaming cases did not run
     assert "plots skipped: matplotlib not installed." in text
     assert "steal" not in text  # not measured: no claim either way
 
