@@ -15,8 +15,10 @@ in memory, and a source turns indices into rows (``MemorySource``, ``StreamSourc
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,9 +29,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
+from ray_jobs.checkpoint import latest_progress
 from ray_jobs.data import Dataset, parquet_files, stored_num_classes, table_to_dataset
 from ray_jobs.errors import Failure
-from ray_jobs.checkpoint import latest_progress
 from ray_jobs.storage import resolve
 from ray_jobs.training import epoch_order, stream_windows, window_permutation
 
@@ -46,6 +48,8 @@ class Block:
     row_group: int
     num_rows: int
     compressed_bytes: int
+    label_max: int | None = None
+    """The target column's largest value per the row group's statistics (None: not stated)."""
 
 
 @dataclass
@@ -65,11 +69,12 @@ class StreamDataset:
     window_rows: int = 65536
     ingest: str = field(default="stream", init=False)
 
-    @property
+    # Cached: a source asks for them on every batch, and a dataset may have many row groups.
+    @functools.cached_property
     def num_rows(self) -> int:
         return sum(block.num_rows for block in self.blocks)
 
-    @property
+    @functools.cached_property
     def block_rows(self) -> list[int]:
         return [block.num_rows for block in self.blocks]
 
@@ -85,12 +90,16 @@ def uncompressed_bytes(path: str) -> int:
         raise ValueError(f"--data {path}: no such file or directory")
     total = 0
     for file in parquet_files(filesystem, fs_path):
-        try:
-            metadata = pq.ParquetFile(file, filesystem=filesystem).metadata
-        except (pa.ArrowInvalid, OSError) as error:
-            raise ValueError(f"--data {file}: not readable as Parquet ({str(error).splitlines()[0]})") from None
+        metadata = _metadata(filesystem, file)
         total += sum(metadata.row_group(i).total_byte_size for i in range(metadata.num_row_groups))
     return total
+
+
+def _metadata(filesystem: pafs.FileSystem, file: str) -> pq.FileMetaData:
+    try:
+        return pq.ParquetFile(file, filesystem=filesystem).metadata
+    except (pa.ArrowInvalid, OSError) as error:
+        raise ValueError(f"--data {file}: not readable as Parquet ({str(error).splitlines()[0]})") from None
 
 
 def plan_stream(path: str, feature_column: str, target_column: str, task: str, num_classes: int | None,
@@ -102,10 +111,7 @@ def plan_stream(path: str, feature_column: str, target_column: str, task: str, n
         raise ValueError(f"--data {path}: no Parquet files")
     blocks, first_schema, total = [], None, 0
     for file in files:
-        try:
-            metadata = pq.ParquetFile(file, filesystem=filesystem).metadata
-        except (pa.ArrowInvalid, OSError) as error:
-            raise ValueError(f"--data {file}: not readable as Parquet ({str(error).splitlines()[0]})") from None
+        metadata = _metadata(filesystem, file)
         schema = metadata.schema.to_arrow_schema()
         for column in (feature_column, target_column):
             if column not in schema.names:
@@ -119,22 +125,21 @@ def plan_stream(path: str, feature_column: str, target_column: str, task: str, n
                              f"{feature_column}: {mine[0]}, {target_column}: {mine[1]}")
         for index in range(metadata.num_row_groups):
             group = metadata.row_group(index)
-            _check_statistics(file, index, group, target_column)
+            statistics = _target_statistics(file, index, group, target_column)
             blocks.append(Block(file, index, group.num_rows,
-                                sum(group.column(c).total_compressed_size for c in range(group.num_columns))))
+                                sum(group.column(c).total_compressed_size for c in range(group.num_columns)),
+                                _label_max(statistics)))
             total += group.total_byte_size
     if not any(block.num_rows for block in blocks):
         raise ValueError("the dataset has no rows")
     # Widths, task and classes from the first row group with rows, decoded alone: the one data read.
     first = next(block for block in blocks if block.num_rows)
     sample = _decode(filesystem, first, feature_column, target_column, task, num_classes)
-    classes = _num_classes(filesystem, files, blocks, target_column, sample, num_classes)
+    classes = _num_classes(filesystem, files, blocks, sample, num_classes)
     if classes != sample.num_classes:
         sample = _decode(filesystem, first, feature_column, target_column, task, classes)
     largest = max(block.num_rows for block in blocks)
     if largest > window_rows:
-        import warnings
-
         warnings.warn(f"--data: a row group of {largest} rows is larger than --shuffle-window-rows {window_rows}, so "
                       "every window is one row group; raise the window, or rewrite the data with smaller row groups: "
                       "python -m ray_jobs.data reshard --row-group-rows R", stacklevel=2)
@@ -142,33 +147,35 @@ def plan_stream(path: str, feature_column: str, target_column: str, task: str, n
                          sample.out_features, sample.num_classes, sample.reason, total, window_rows)
 
 
-def _check_statistics(file: str, index: int, group, target_column: str) -> None:
-    """Nulls in a scalar target column show in the row group's statistics: found before training."""
-    for c in range(group.num_columns):
-        chunk = group.column(c)
-        if chunk.path_in_schema == target_column and chunk.statistics is not None \
-                and chunk.statistics.has_null_count and chunk.statistics.null_count:
-            raise ValueError(f"--data {file} row group {index}: column {target_column!r} has "
-                             f"{chunk.statistics.null_count} null rows; every row needs a value")
+def _target_statistics(file: str, index: int, group, target_column: str):
+    """A scalar target column's statistics in this row group (None for a list column, or none
+    written); nulls they show are an error found before training."""
+    statistics = next((group.column(c).statistics for c in range(group.num_columns)
+                       if group.column(c).path_in_schema == target_column), None)
+    if statistics is not None and statistics.has_null_count and statistics.null_count:
+        raise ValueError(f"--data {file} row group {index}: column {target_column!r} has "
+                         f"{statistics.null_count} null rows; every row needs a value")
+    return statistics
 
 
-def _num_classes(filesystem, files: list[str], blocks: list[Block], target_column: str,
-                 sample: Dataset, stated: int | None) -> int | None:
+def _label_max(statistics) -> int | None:
+    if statistics is None or not statistics.has_min_max or not isinstance(statistics.max, int):
+        return None
+    return statistics.max
+
+
+def _num_classes(filesystem, files: list[str], blocks: list[Block], sample: Dataset, stated: int | None) -> int | None:
     """K without reading the labels: the flag, the files' metadata, else the row groups' max statistics."""
     if sample.task != "classification" or stated is not None:
         return sample.num_classes
     stored = stored_num_classes(filesystem, files)
     if stored is not None:
         return stored
-    largest = 0
-    for block in blocks:
-        group = pq.ParquetFile(block.file, filesystem=filesystem).metadata.row_group(block.row_group)
-        chunk = next(group.column(c) for c in range(group.num_columns) if group.column(c).path_in_schema == target_column)
-        if chunk.statistics is None or not chunk.statistics.has_min_max:
-            raise ValueError(f"--data {block.file} row group {block.row_group} has no label statistics: state "
-                             "--num-classes (a stream cannot read every label first)")
-        largest = max(largest, int(chunk.statistics.max))
-    return largest + 1
+    unstated = next((block for block in blocks if block.label_max is None), None)
+    if unstated is not None:
+        raise ValueError(f"--data {unstated.file} row group {unstated.row_group} has no label statistics: state "
+                         "--num-classes (a stream cannot read every label first)")
+    return max(block.label_max for block in blocks) + 1
 
 
 def _decode(filesystem, block: Block, feature_column: str, target_column: str, task: str,
@@ -191,6 +198,7 @@ class WindowReader:
         self.pool = ThreadPoolExecutor(max_workers=1)  # one read at a time, in window order
         self.lock = threading.Lock()
         self.windows: dict[tuple[int, int], Future] = {}
+        self.plans: dict[int, list[list[int]]] = {}
         self.bytes_read = 0
 
     def window(self, epoch: int, index: int) -> list:
@@ -214,7 +222,13 @@ class WindowReader:
             return self.windows[(epoch, index)]
 
     def _plan(self, epoch: int) -> list[list[int]]:
-        return stream_windows(self.dataset.block_rows, self.seed, epoch, self.shuffle, self.dataset.window_rows)
+        """Epoch ``epoch``'s windows, computed once (every window request asks)."""
+        with self.lock:
+            if epoch not in self.plans:
+                self.plans = {e: p for e, p in self.plans.items() if e >= epoch - 1}
+                self.plans[epoch] = stream_windows(self.dataset.block_rows, self.seed, epoch, self.shuffle,
+                                                   self.dataset.window_rows)
+            return self.plans[epoch]
 
     def _read(self, epoch: int, index: int):
         """Decode the window's row groups one at a time, each scattered straight to its rows'
@@ -263,7 +277,7 @@ def stream_reader(prepared) -> Iterator:
     import ray
 
     cfg, dataset = prepared.cfg, prepared.dataset
-    reader = ray.remote(num_cpus=0, max_concurrency=64)(WindowReader).remote(dataset, cfg.seed, cfg.shuffle, cfg.epochs)
+    reader = start_reader(dataset, cfg.seed, cfg.shuffle, cfg.epochs)
     # Read the first window the run needs while Ray starts its workers (seconds), not after.
     epoch, step = latest_progress(prepared.run_dir) or (0, 0)
     if epoch < cfg.epochs:
@@ -272,6 +286,14 @@ def stream_reader(prepared) -> Iterator:
         yield reader
     finally:
         ray.kill(reader)
+
+
+def start_reader(dataset: StreamDataset, seed: int, shuffle: bool, num_epochs: int):
+    """A ``WindowReader`` actor. Its threads wait for windows being read; one per worker or stage
+    asking, and one more for the window asked ahead, is plenty at 64."""
+    import ray
+
+    return ray.remote(num_cpus=0, max_concurrency=64)(WindowReader).remote(dataset, seed, shuffle, num_epochs)
 
 
 def window_at(dataset: StreamDataset, seed: int, epoch: int, shuffle: bool, position: int) -> int:
@@ -331,20 +353,15 @@ class StreamSource:
         self.wait_s = 0.0  # blocked until a window arrived: the data wait
 
     def rows(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        epoch = int(indices[0]) // self.dataset.num_rows
+        """The rows of a contiguous run of stream indices: every worker's slice of a global batch,
+        and every micro-batch, is one (``epoch_indices`` counts up), so rows are window views."""
+        first, last = int(indices[0]), int(indices[-1])
+        if last - first != len(indices) - 1:
+            raise ValueError(f"stream indices must be a contiguous run, got {len(indices)} from {first} to {last}")
+        epoch = first // self.dataset.num_rows
         self._enter(epoch)
-        positions = indices - epoch * self.dataset.num_rows
-        first, last = int(positions[0]), int(positions[-1])
-        if last - first == len(positions) - 1:  # a contiguous run (a worker's slice): views, no gather
-            return self._span(first, last + 1)
-        window = torch.searchsorted(self.starts, positions, right=True) - 1
-        features, targets = [], []
-        for k in torch.unique_consecutive(window).tolist():
-            offsets = positions[window == k] - self.starts[k]
-            window_features, window_targets = self._window(k)
-            features.append(window_features[offsets])
-            targets.append(window_targets[offsets])
-        return torch.cat(features), torch.cat(targets)
+        start = first - epoch * self.dataset.num_rows
+        return self._span(start, start + len(indices))
 
     def _span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions ``start`` to ``end`` (exclusive): one window's slice, or the pieces of two."""

@@ -134,3 +134,10 @@ def test_bad_rows_stop_the_run_at_their_window_naming_file_and_row_group(ray_clu
     with pytest.raises(TrainingFailed, match=r"part-2.parquet row group 2: column 'features' has NaN"):
         run_strategy("ddp", with_(cfg, data=str(bad), shuffle=False, checkpoint_every_steps=2), num_workers=2)
     assert list((tmp_path / "run").glob("checkpoint_epoch_000000_step_*"))  # the last good one is kept
+
+
+def test_classes_come_from_the_row_groups_statistics_without_reading_the_labels(tmp_path, cfg):
+    labels = pa.array([0, 2, 1, 5, 3, 1], pa.int64())  # no raypar.num_classes metadata: K from max 5
+    write_table(pa.table({"features": [[1.0]] * 6, "target": labels}), str(tmp_path / "c.parquet"), row_group_rows=2)
+    dataset = prepare(with_(cfg, data=str(tmp_path / "c.parquet"), batch_size=2), "ddp").dataset
+    assert (dataset.task, dataset.num_classes, [b.label_max for b in dataset.blocks]) == ("classification", 6, [2, 5, 3])

@@ -40,7 +40,7 @@ def stream_ingest_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
             runs.append({"data": name, "ingest": mode, "rows": sizes[name],
                          "file_bytes": os.path.getsize(files[name]), **ddp_process(bench, files[name], mode)})
     bench.log("[bench] streaming: the reader alone, one epoch of the large data")
-    delivered = reader_rows_per_second(files["large"], work)
+    delivered = reader_rows_per_second(files["large"])
     return {"workload": asdict(work), "num_workers": bench.suite.ddp_workers, "runs": runs,
             "reader_rows_per_second": delivered, **_growth(runs)}
 
@@ -100,21 +100,21 @@ def _wait_with_usage(process: subprocess.Popen, timeout_s: float) -> tuple[int, 
         time.sleep(0.5)
 
 
-def reader_rows_per_second(path: str, work) -> float:
+def reader_rows_per_second(path: str) -> float:
     """Rows per second the stream's reader delivers, alone, over one epoch: what the workers'
     consumption is compared with (the headroom)."""
     import ray
 
     from ray_jobs.config import TrainConfig
-    from ray_jobs.stream import WindowReader, plan_stream
+    from ray_jobs.stream import plan_stream, start_reader
     from ray_jobs.training import stream_windows
 
     cfg = TrainConfig(data=path, ingest="stream")
     dataset = plan_stream(path, cfg.feature_column, cfg.target_column, cfg.task, None, cfg.shuffle_window_rows)
-    reader = ray.remote(num_cpus=0, max_concurrency=8)(WindowReader).remote(dataset, cfg.seed, True, 1)
+    reader = start_reader(dataset, cfg.seed, True, 1)
     try:
         began = time.perf_counter()
-        for index in range(len(stream_windows(dataset.block_rows, cfg.seed, 0, True, cfg.shuffle_window_rows))):
+        for index in range(len(stream_windows(dataset.block_rows, cfg.seed, 0, True, dataset.window_rows))):
             ray.get(reader.window.remote(0, index))
         return dataset.num_rows / (time.perf_counter() - began)
     finally:
