@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ray_jobs import storage
+from ray_jobs.training import rank_seed
 
 CHECKPOINT_FILE = "checkpoint.pt"
 CHECKPOINT_PREFIX = "checkpoint_"
@@ -61,6 +62,20 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["cpu"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def saved_rng(state: TrainState, index: int, count: int) -> dict[str, Any] | None:
+    """World rank (or stage) ``index``'s saved RNG state, if ``state`` was taken with ``count`` of them."""
+    return state.rng[index] if len(state.rng) == count else None
+
+
+def resume_rng(saved: dict[str, Any] | None, seed: int, rank: int, epochs_completed: int) -> None:
+    """This rank's RNG as the checkpoint left it; one taken with another rank count has no state
+    for it: a fresh, still deterministic stream then."""
+    if saved is not None:
+        set_rng_state(saved)
+    else:
+        torch.manual_seed(rank_seed(seed, rank, epochs_completed))
 
 
 def write_checkpoint(directory: storage.Target, state: TrainState) -> None:
@@ -132,9 +147,9 @@ def slice_state(state: TrainState, keys: set[str], index: int, num_parts: int) -
               for group in state.optimizer.get("param_groups", [])]
     optimizer = {"state": {k: v for k, v in state.optimizer.get("state", {}).items() if k in keys},
                  "param_groups": params}
-    rng = [state.rng[index]] if len(state.rng) == num_parts else []
+    saved = saved_rng(state, index, num_parts)
     return TrainState({k: v for k, v in state.model.items() if k in keys}, optimizer, state.epochs_completed,
-                      state.losses, rng, state.step, state.step_losses)
+                      state.losses, [saved] if saved is not None else [], state.step, state.step_losses)
 
 
 def prune_checkpoints(run_dir: storage.Target, num_to_keep: int) -> None:

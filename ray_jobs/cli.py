@@ -14,7 +14,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayError
 
-from ray_jobs.config import ArgumentParser, TrainConfig, add_flags, from_args
+from ray_jobs.config import ArgumentParser, TrainConfig, add_flags, flag_group, from_args
 from ray_jobs.errors import TrainingFailed, root_cause
 from ray_jobs.interrupts import run_until_interrupted
 from ray_jobs.resume import AlreadyComplete
@@ -33,9 +33,8 @@ def entry_point(
     parser = ArgumentParser(prog=f"python -m ray_jobs.{strategy}", description=description)
     add_flags(parser, TrainConfig)
     add_flags(parser, scaling_cls, "placement")
-    placement = next(group for group in parser._action_groups if group.title == "placement")
-    placement.add_argument("--address", default=None,
-                           help="Ray cluster to join (default: RAY_ADDRESS, else a new local Ray)")
+    flag_group(parser, "placement").add_argument(
+        "--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else a new local Ray)")
     args = parser.parse_args(argv)
     try:
         cfg, scaling = from_args(TrainConfig, args), from_args(scaling_cls, args)

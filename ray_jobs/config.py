@@ -185,7 +185,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, default_group: str = "
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         meta = dict(f.metadata)
-        group = _flag_group(parser, meta.pop("group") or default_group)
+        group = flag_group(parser, meta.pop("group") or default_group)
         default = f.default if f.default is not dataclasses.MISSING else None
         default_text = meta.pop("default_text")
         # choices go into the help text: a bad value then fails in __post_init__ with one line.
@@ -204,7 +204,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, default_group: str = "
         group.add_argument(flag, dest=f.name, type=scalar, default=default, metavar=f.name.upper(), **meta)
 
 
-def _flag_group(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
+def flag_group(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
     """The parser's section ``title``; all of ``FLAG_GROUPS`` are created at once, so --help
     lists them in that order whichever dataclass adds its flags first."""
     existing = {group.title: group for group in parser._action_groups}

@@ -6,6 +6,9 @@ or to the innermost error when there is none.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 
@@ -23,6 +26,18 @@ def describe(error: BaseException, where: str) -> str:
     if isinstance(error, torch.OutOfMemoryError):
         return f"{where}: {first}" if first.startswith("CUDA out of memory") else f"{where}: CUDA out of memory ({first})"
     return f"{where}: {type(error).__name__}: {first}" if first else f"{where}: {type(error).__name__}"
+
+
+@contextlib.contextmanager
+def described(where: str, passing: tuple[type[BaseException], ...] = ()) -> Iterator[None]:
+    """Re-raise an error from the block as a ``Failure`` naming ``where``; a ``Failure`` (already
+    described) and the ``passing`` types go through as they are."""
+    try:
+        yield
+    except (Failure, *passing):
+        raise
+    except Exception as error:
+        raise Failure(describe(error, where)) from error
 
 
 def root_cause(error: BaseException) -> str:

@@ -29,11 +29,12 @@ from ray_jobs.checkpoint import (
     load_named_optimizer_state,
     named_optimizer_state,
     rng_state,
-    set_rng_state,
+    resume_rng,
+    saved_rng,
     write_checkpoint,
 )
 from ray_jobs.config import TrainConfig
-from ray_jobs.errors import Failure, describe
+from ray_jobs.errors import described
 from ray_jobs.readings import cpu_times, peak_rss_bytes, steal_fraction
 from ray_jobs.runner import record_failure
 from ray_jobs.stream import epoch_indices, open_source
@@ -88,14 +89,10 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
         resuming = start is not None and epoch == start.epochs_completed
         first_step, done = (start.step, list(start.step_losses)) if resuming else (0, [])
         began, cpu = time.perf_counter(), cpu_times()
-        try:
+        with described(f"world rank {worker.world_rank}"):  # only this rank knows where it failed
             if loop.fail_at_epoch == epoch and worker.world_rank == worker.world_size - 1:
                 raise RuntimeError("injected fault")
             step_losses = worker.run_epoch(epoch, first_step, done, crash=loop.crash_at_epoch == epoch and start is None)
-        except Failure:
-            raise
-        except Exception as error:  # only this rank knows where it failed: say so in the one line
-            raise Failure(describe(error, f"world rank {worker.world_rank}")) from error
         if step_losses is None:
             return  # a non-finite loss, recorded
         worker.end_epoch(epoch, done + step_losses, time.perf_counter() - began, steal_fraction(cpu, cpu_times()))
@@ -189,10 +186,7 @@ def _restore(run_dir: storage.Location, model: nn.Module, optimizer: torch.optim
         return None
     model.load_state_dict(state.model)
     load_named_optimizer_state(optimizer, dict(model.named_parameters()), state.optimizer)
-    if len(state.rng) == world_size:
-        set_rng_state(state.rng[world_rank])
-    else:  # taken with another worker count: a fresh, still deterministic stream
-        torch.manual_seed(rank_seed(seed, world_rank, state.epochs_completed))
+    resume_rng(saved_rng(state, world_rank, world_size), seed, world_rank, state.epochs_completed)
     return state
 
 

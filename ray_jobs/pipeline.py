@@ -184,11 +184,11 @@ def _inject(stages: StageGroup, attempt: Attempt, faults: dict, epoch: int, step
         getattr(stages.actors[-1], fault).remote()
 
 
-def _start_attempt(stages: StageGroup, prepared: PreparedRun, keys: list[set[str]], num_stages: int) -> Attempt:
+def _start_attempt(stages: StageGroup, prepared: PreparedRun, num_stages: int) -> Attempt:
     checkpoint = latest_checkpoint(prepared.run_dir)
     if checkpoint is None:
         return Attempt(TrainState(dict(prepared.initial_state), {}, 0, []), None, None, PipelineTiming(num_stages))
-    stages.restore(checkpoint, keys)
+    stages.restore(checkpoint)
     at = f"epoch {checkpoint.epochs_completed}" + (f", step {checkpoint.step}" if checkpoint.step else "")
     print(f"[raypar] resuming from the checkpoint after {at}", flush=True)
     return Attempt(checkpoint, checkpoint.epochs_completed, checkpoint.step, PipelineTiming(num_stages))
@@ -221,8 +221,8 @@ def _attempts(prepared: PreparedRun, scaling: PipelineScaling, reader, crash_at_
     for failures in range(cfg.max_failures + 1):
         stages = None
         try:
-            stages = StageGroup(prepared, scaling, reader, crash_on_start=crash_at_start and failures == 0)
-            attempt = _start_attempt(stages, prepared, keys, scaling.num_stages)
+            stages = StageGroup(prepared, scaling, keys, reader, crash_on_start=crash_at_start and failures == 0)
+            attempt = _start_attempt(stages, prepared, scaling.num_stages)
             while attempt.state.epochs_completed < cfg.epochs:
                 _train_epoch(stages, prepared, attempt, scaling, faults)
             return _finish(prepared, scaling, stages, attempt, reader)

@@ -50,11 +50,11 @@ def check_rerun(cfg: TrainConfig, name: str, run_dir: str) -> int:
         return 0
     record = storage.join(run_dir, RUN_FILE)
     if storage.exists(record):
-        stored = json.loads(storage.read_bytes(record))["settings"]
-        changed = [key for key in FIXED if stored.get(key) != fixed_settings(cfg)[key]]
+        stored, now = json.loads(storage.read_bytes(record))["settings"], fixed_settings(cfg)
+        changed = [key for key in FIXED if stored.get(key) != now[key]]
         if changed:
-            differences = ", ".join(f"--{key.replace('_', '-')} {_value(stored.get(key))} -> "
-                                    f"{_value(fixed_settings(cfg)[key])}" for key in changed)
+            differences = ", ".join(f"--{key.replace('_', '-')} {_value(stored.get(key))} -> {_value(now[key])}"
+                                    for key in changed)
             raise ValueError(f"run {name!r} was started with other settings: {differences}. Re-run it with "
                              f"its own, or train on from its weights under a new name: --init-from "
                              f"{_weights(run_dir, progress[0])} --name NEW_NAME")

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from models import build_model, split_into_stages
-from ray_jobs.checkpoint import TrainState, load_named_optimizer_state, named_optimizer_state, rng_state, set_rng_state
+from ray_jobs.checkpoint import TrainState, load_named_optimizer_state, named_optimizer_state, resume_rng, rng_state
 from ray_jobs.config import TrainConfig
-from ray_jobs.errors import Failure, describe
+from ray_jobs.errors import described
 from ray_jobs.readings import peak_rss_bytes
 from ray_jobs.schedules import FORWARD, SCHEDULES, peak_live_activations
 from ray_jobs.stream import open_source
@@ -38,12 +38,8 @@ def _described(method):
     peer stays ``PeerLost``, which the driver answers with a restart."""
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        try:
+        with described(f"stage {self.stage_index}", passing=(PeerLost,)):
             return method(self, *args, **kwargs)
-        except (PeerLost, Failure):  # lost peers are the driver's to answer; a Failure is described
-            raise
-        except Exception as error:
-            raise Failure(describe(error, f"stage {self.stage_index}")) from error
     return wrapper
 
 
@@ -254,10 +250,7 @@ class StageWorker:
         """Restore this stage's slice of a checkpoint (``slice_state``)."""
         self.module.load_state_dict(state.model)
         load_named_optimizer_state(self.optimizer, dict(self.module.named_parameters()), state.optimizer)
-        if state.rng:
-            set_rng_state(state.rng[0])
-        else:  # taken with another stage count: a fresh, still deterministic stream
-            torch.manual_seed(rank_seed(self.seed, self.stage_index, state.epochs_completed))
+        resume_rng(state.rng[0] if state.rng else None, self.seed, self.stage_index, state.epochs_completed)
 
     def peak_memory(self) -> dict[str, int | None]:
         """Peak resident memory of this stage's process, and its GPU's peak allocation."""

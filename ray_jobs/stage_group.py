@@ -11,7 +11,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray_jobs.checkpoint import TrainState, merge_named_optimizer_states, slice_state
 from ray_jobs.errors import TrainingFailed
 from ray_jobs.runner import PreparedRun
-from ray_jobs.stage import StageWorker, stage_keys
+from ray_jobs.stage import StageWorker
 from ray_jobs.transports import STAGE_FAILURES, TransportFailed, connect, resolve_transport
 
 PROBE_TIMEOUT_S = 10.0  # how long a failed pipeline waits for its stages to answer "are you alive"
@@ -26,8 +26,10 @@ class StageGroup:
     """One placement-group bundle and one ``StageWorker`` actor per stage, and the transport
     between them. A start that fails removes everything it created before raising."""
 
-    def __init__(self, prepared: PreparedRun, scaling, reader=None, crash_on_start: bool = False) -> None:
-        self.scaling, self.reader = scaling, reader
+    def __init__(self, prepared: PreparedRun, scaling, keys: list[set[str]], reader=None,
+                 crash_on_start: bool = False) -> None:
+        """``keys``: each stage's ``state_dict`` keys (``stage_keys``), what of a full state it is sent."""
+        self.scaling, self.keys, self.reader = scaling, keys, reader
         self.group = placement_group(scaling.bundles, strategy=scaling.placement_strategy)
         self.actors: list = []
         self.nodes: list[str] = []
@@ -50,9 +52,8 @@ class StageGroup:
                               f"within --resource-timeout {timeout:g} s ({scaling.placement_strategy})")
         requested = resolve_transport(scaling, _bundle_nodes(self.group))
         device_transport = scaling.use_gpu and requested == "compiled"
-        keys = stage_keys(prepared.cfg, prepared.dataset, scaling.num_stages)
         dataset = ray.put(prepared.dataset)
-        self.actors = [self._start(index, prepared, dataset, {k: prepared.initial_state[k] for k in keys[index]},
+        self.actors = [self._start(index, prepared, dataset, {k: prepared.initial_state[k] for k in self.keys[index]},
                                    device_transport) for index in range(scaling.num_stages)]
         self.nodes = ray.get([actor.node_id.remote() for actor in self.actors])
         if crash_on_start:
@@ -88,10 +89,10 @@ class StageGroup:
     def peak_memory(self) -> list[dict[str, int | None]]:
         return ray.get([actor.peak_memory.remote() for actor in self.actors])
 
-    def restore(self, state: TrainState, keys: list[set[str]]) -> None:
+    def restore(self, state: TrainState) -> None:
         """Send each stage its own slice of ``state``, never the whole."""
         num_stages = len(self.actors)
-        ray.get([actor.restore.remote(slice_state(state, keys[index], index, num_stages))
+        ray.get([actor.restore.remote(slice_state(state, self.keys[index], index, num_stages))
                  for index, actor in enumerate(self.actors)])
 
     def describe_failure(self, error: Exception) -> str:
