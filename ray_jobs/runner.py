@@ -6,6 +6,8 @@ leaves nothing in the run directory.
 from __future__ import annotations
 
 import json
+import os
+import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
@@ -128,3 +130,13 @@ def record_failure(run_dir: str, reason: str) -> None:
 def recorded_failure(run_dir: str) -> str | None:
     path = storage.join(run_dir, FAILURE_FILE)
     return json.loads(storage.read_bytes(path))["error"] if storage.exists(path) else None
+
+
+def hold(path: str, timeout_s: float = 300.0) -> None:
+    """Fault injection for tests: say so in ``<path>.waiting``, then wait until ``path`` exists
+    (a test kills a node meanwhile)."""
+    with open(f"{path}.waiting", "w"):
+        pass
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.2)
