@@ -21,11 +21,12 @@ import torch.distributed as dist
 from models import build_model, split_into_stages
 from ray_jobs.checkpoint import TrainState, load_named_optimizer_state, named_optimizer_state, resume_rng, rng_state
 from ray_jobs.config import TrainConfig
+from ray_jobs.devices import to_device
 from ray_jobs.errors import described
 from ray_jobs.readings import peak_rss_bytes
 from ray_jobs.schedules import FORWARD, SCHEDULES, peak_live_activations
 from ray_jobs.stream import open_source
-from ray_jobs.training import build_optimizer, loss_function, microbatches, rank_seed
+from ray_jobs.training import autocast, build_optimizer, loss_function, microbatches, rank_seed
 
 # Receives posted ahead of need (p2p transport), at least; see ``receives_ahead``.
 MIN_RECEIVES_AHEAD = 2
@@ -63,7 +64,7 @@ class StageWorker:
         # With a GPU-to-GPU channel (compiled graph + nccl) tensors stay on the device;
         # otherwise they cross process boundaries as CPU tensors.
         self.device_transport = device_transport
-        self.stage_index, self.num_stages, self.seed = stage_index, num_stages, cfg.seed
+        self.stage_index, self.num_stages, self.seed, self.precision = stage_index, num_stages, cfg.seed, cfg.precision
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.num_microbatches = num_microbatches
         stages = meta_stages(cfg, dataset, num_stages)
@@ -91,9 +92,10 @@ class StageWorker:
             raise RuntimeError("injected fault")
         x, target = self._inputs(rows, activation)
         began = time.perf_counter()
-        out = self.module(x)
+        with autocast(self.precision, self.device):  # the forward and the loss, as train_step
+            out = self.module(x)
+            loss = self.loss_fn(out, target) if self.is_last else None
         if self.is_last:
-            loss = self.loss_fn(out, target)
             self.loss_sum += loss.detach().cpu()
             # Divide by num_microbatches so the accumulated gradient is the global-batch mean.
             out = loss / self.num_microbatches
@@ -123,8 +125,8 @@ class StageWorker:
             waited = self.source.wait_s
             features, targets = self.source.rows(rows)
             self.timing["data_wait_s"] += self.source.wait_s - waited
-        x = features.to(self.device) if self.is_first else activation.to(self.device).requires_grad_()
-        return x, targets.to(self.device) if self.is_last else None
+        x = to_device(features, self.device) if self.is_first else activation.to(self.device).requires_grad_()
+        return x, to_device(targets, self.device) if self.is_last else None
 
     def _record_op(self, began: float) -> None:
         seconds = time.perf_counter() - began
@@ -132,7 +134,10 @@ class StageWorker:
         self.timing["op_seconds"].append(seconds)
 
     def _send(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if self.device_transport else tensor.cpu()
+        """Through host memory as float32, the dtype the p2p receiver's buffer is allocated in:
+        a bf16/fp16 activation is exact in float32, and the next stage's autocast casts it back
+        to the same values (its gradient, cast back the same way, too); fp32 is not copied."""
+        return tensor if self.device_transport else tensor.to("cpu", torch.float32)
 
     @_described
     def step(self, *_dependencies) -> float:

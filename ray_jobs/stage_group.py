@@ -66,7 +66,7 @@ class StageGroup:
     def _start(self, index: int, prepared: PreparedRun, dataset, initial_slice: dict, device_transport: bool):
         options = dict(
             num_cpus=self.scaling.cpus_per_stage,
-            num_gpus=1 if self.scaling.use_gpu else 0,
+            num_gpus=self.scaling.gpus_each or 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index),
         )
         actor_cls = ray.remote(StageWorker).options(**options)

@@ -41,13 +41,15 @@ class BatchTimeout(RuntimeError):
 
 
 def resolve_transport(scaling, nodes: list[str]) -> str:
-    """``auto``: GPU stages on one node talk over nccl through a compiled graph (GPU to GPU);
-    everything else uses p2p. p2p stays on gloo even between GPUs: nccl matches sends and
+    """``auto``: GPU stages on one node, each on its own GPU, talk over nccl through a compiled
+    graph (GPU to GPU); everything else uses p2p. p2p stays on gloo even between GPUs: nccl matches sends and
     receives by order, not tag, and a stage's interleaved sends and early-posted receives
     could then wait on each other; through host memory they cannot."""
     if scaling.transport != "auto":
         return scaling.transport
-    return "compiled" if scaling.use_gpu and len(set(nodes)) == 1 else "p2p"
+    # Stages that may share a GPU cannot be nccl peers: p2p (gloo) carries them.
+    one_node = len(set(nodes)) == 1
+    return "compiled" if scaling.use_gpu and one_node and not scaling.shared_gpus else "p2p"
 
 
 def connect(requested: str, actors: list, nodes: list[str], scaling, device_transport: bool):

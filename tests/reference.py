@@ -27,6 +27,7 @@ def reference_train(
     weight_decay: float = 0.0,
     init_state: dict | None = None,
     epoch_orders=None,
+    precision: str = "fp32",
     **model_options,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     torch.manual_seed(seed)
@@ -50,7 +51,11 @@ def reference_train(
         total, steps = 0.0, n // batch_size
         for step in range(steps):
             rows = order[step * batch_size : (step + 1) * batch_size]
-            loss = loss_fn(net(features[rows]), targets[rows])
+            if precision == "bf16":  # the forward and loss under autocast; weights and optimizer float32
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = loss_fn(net(features[rows]), targets[rows])
+            else:
+                loss = loss_fn(net(features[rows]), targets[rows])
             opt.zero_grad()
             loss.backward()
             opt.step()
