@@ -101,10 +101,9 @@ class PipelineScaling:
         """Checks that need both configs, run before Ray is touched."""
         require_divisible(cfg.batch_size, self.num_microbatches, "--num-microbatches")
         require_gpu_for_fp16(cfg, self.use_gpu, "--use-gpu")
-        if cfg.precision == "fp16":
-            # A loss scale the stages would have to share, and skip every overflowing step together.
-            raise ValueError("--precision fp16 is not available on the pipeline yet (its stages would need one "
-                             "shared loss scale); use --precision bf16, which needs no scaler")
+        if cfg.precision == "fp16" and self.transport not in ("auto", "p2p"):
+            raise ValueError(f"--precision fp16 on the pipeline needs --transport p2p, not {self.transport}: its "
+                             "stages skip an overflowing step together by agreeing over p2p's process group")
         shared = self.shared_gpus
         if shared and self.transport == "compiled":
             raise ValueError(f"--transport compiled cannot connect stages that share a GPU ({shared}; nccl "
@@ -205,7 +204,7 @@ def _segments(first: int, total: int, every: int) -> list[tuple[int, int]]:
 
 
 def _checkpoint(stages: StageGroup, prepared: PreparedRun, state: TrainState) -> None:
-    state.model, state.optimizer, state.rng = stages.gather_state()
+    state.model, state.optimizer, state.rng, state.scaler = stages.gather_state()
     write_checkpoint(storage.join(prepared.run_dir, checkpoint_name(state.epochs_completed, state.step)), state)
     prune_checkpoints(prepared.run_dir, prepared.cfg.num_checkpoints_to_keep)
 

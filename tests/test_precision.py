@@ -13,6 +13,7 @@ from ray_jobs import ddp, dp, pipeline
 from ray_jobs.checkpoint import TrainState, read_checkpoint, restore_scaler, write_checkpoint
 from ray_jobs.config import TrainConfig
 from ray_jobs.dp import ReplicaAutocast
+from ray_jobs.stage import mark_overflow, overflowed
 from ray_jobs.training import grad_scaler, train_step
 from tests.helpers import assert_same_weights, load_weights, reference_for, run_strategy, with_
 from tests.reference import reference_train
@@ -80,7 +81,9 @@ def test_data_parallel_replicas_autocast_in_the_runs_dtype():
 @pytest.mark.parametrize(("main", "argv", "message"), [
     (ddp.main, [], "error: --precision fp16 needs GPUs (--use-gpu); on CPUs use --precision bf16"),
     (dp.main, [], "error: --precision fp16 needs GPUs (--gpus); on CPUs use --precision bf16"),
-    (pipeline.main, ["--use-gpu"], "error: --precision fp16 is not available on the pipeline yet"),
+    (pipeline.main, [], "error: --precision fp16 needs GPUs (--use-gpu); on CPUs use --precision bf16"),
+    (pipeline.main, ["--use-gpu", "--transport", "compiled"],
+     "error: --precision fp16 on the pipeline needs --transport p2p, not compiled"),
 ])
 def test_fp16_without_gpus_is_one_error_line_before_ray(main, argv, message, capsys, tmp_path):
     assert main(["--precision", "fp16", *argv, "--storage-path", str(tmp_path)]) == 2
@@ -129,3 +132,44 @@ def test_the_reference_autocasts_only_when_asked(regression_data):
     kwargs = dict(model="seed-linear", features=features, targets=targets, out_features=out_features, epochs=1,
                   batch_size=16, lr=0.05, seed=0)
     assert_same_weights(reference_train(**kwargs)[0], reference_train(precision="fp32", **kwargs)[0], exact=True)
+
+
+def test_a_stage_told_of_another_stages_overflow_skips_and_backs_off_as_if_it_were_its_own():
+    def stage(grad: float):
+        layer = nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+        scaler = grad_scaler("fp16", torch.device("cpu"))
+        scaler.scale(torch.zeros(()))
+        for param in layer.parameters():
+            param.grad = torch.full_like(param, grad)
+        return layer, optimizer, scaler
+
+    own, told = stage(float("inf")), stage(1.0)
+    grads = [p.grad for p in told[0].parameters()]
+    assert overflowed([p.grad for p in own[0].parameters()]) and not overflowed(grads)
+    mark_overflow(grads)
+    for layer, optimizer, scaler in (own, told):
+        before = {k: v.clone() for k, v in layer.state_dict().items()}
+        scaler.step(optimizer)
+        scaler.update()
+        assert_same_weights(layer.state_dict(), before, exact=True)  # the step was skipped
+        assert scaler.get_scale() == 32768.0  # and the scale backed off from 65536
+
+
+@pytest.mark.ray
+def test_fp16_pipeline_matches_the_fp16_reference_and_resumes_with_its_scale(ray_cluster, bf16):
+    # fp16 autocast and GradScaler run on CPU: the pipeline's scaler path, entered below the
+    # flag's GPU check (what a user reaches with --use-gpu). Tolerance: fp16's 11-bit mantissa
+    # rounds each micro-batch's gradient as bf16 rounds it (BF16_ATOL's reason), 8x finer;
+    # no step of this run overflows (65536 kept), as in the reference.
+    from ray_jobs.runner import prepare
+
+    cfg = with_(bf16, precision="fp16", epochs=2)
+    scaling = pipeline.PipelineScaling(num_stages=2, num_microbatches=4)
+    pipeline._attempts(prepare(cfg, "pipeline"), scaling, None, False, {})
+    resumed = pipeline._attempts(prepare(with_(cfg, epochs=3), "pipeline"), scaling, None, False, {})
+    assert resumed.resumed_from_epoch == 2
+    got, (expected, _) = load_weights(resumed.run_dir), reference_for(with_(cfg, epochs=3))
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=BF16_ATOL / 8, msg=key)
+    assert read_checkpoint(f"{resumed.run_dir}/checkpoint_epoch_000003").scaler["scale"] == 65536.0
