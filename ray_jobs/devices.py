@@ -30,6 +30,22 @@ def gpu_sharing(num_processes: int, gpus_each: float | None, gpus_per_node: floa
     return f"{asked}: Ray packs fractions onto one GPU, so they may share one"
 
 
+# Rows held on a GPU may take at most this share of its free memory at the start: the rest is for
+# the weights, their gradients, the optimizer state and the activations. Chosen, not measured (no
+# GPU was lent when it was written): a model's share varies by orders of magnitude, so it errs
+# toward copying each batch (cheap, pinned and one step ahead) over running out of memory.
+DEVICE_DATA_SHARE = 0.5
+
+
+def data_device(nbytes: int, device: torch.device) -> torch.device:
+    """Where rows in memory are kept: on ``device`` when they fit its share of free memory (copied
+    once), else on the host, each batch then copied from pinned memory as it is needed."""
+    if device.type != "cuda":
+        return device
+    free, _ = torch.cuda.mem_get_info(device)
+    return device if nbytes <= DEVICE_DATA_SHARE * free else torch.device("cpu")
+
+
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device``: to a GPU from pinned memory, asynchronously (the caching host
     allocator keeps the pinned copy alive until the copy is done); on the CPU, as it is."""

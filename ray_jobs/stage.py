@@ -178,7 +178,7 @@ class StageWorker:
         anywhere = torch.tensor([float(mine)])
         if dist.is_initialized():
             self._gloo(CALLS, dist.all_reduce, anywhere, op=dist.ReduceOp.MAX)
-        if anywhere.item() and not mine:
+        if anywhere.item() and not mine and grads:
             mark_overflow(grads)
         self.scaler.step(self.optimizer)
         self.scaler.update()

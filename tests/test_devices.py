@@ -73,3 +73,13 @@ def test_no_batch_is_read_ahead_on_the_cpu():
 
     for index, _ in enumerate(prefetched(batches(), torch.device("cpu"))):
         assert read == list(range(index + 1))
+
+
+def test_rows_stay_on_the_host_when_they_do_not_fit_the_gpu(monkeypatch):
+    from ray_jobs.devices import data_device
+
+    gpu = torch.device("cuda", 0)
+    assert data_device(10**9, torch.device("cpu")) == torch.device("cpu")
+    monkeypatch.setattr("torch.cuda.mem_get_info", lambda device: (4 * 2**30, 80 * 2**30))  # 4 GiB free
+    assert data_device(2**30, gpu) == gpu  # copied once
+    assert data_device(3 * 2**30, gpu) == torch.device("cpu")  # over half the free memory: batch by batch
