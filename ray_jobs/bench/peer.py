@@ -107,6 +107,8 @@ def _peer_worker(
     cfg = TrainConfig(**train)
     torch.set_num_threads(num_threads)
     on = torch.device(f"cuda:{world_rank}" if device == "cuda" else "cpu")
+    if on.type == "cuda":
+        torch.cuda.set_device(on)  # nccl's collectives (the barrier too) run on the current device
     if world_size > 1:
         # The tutorial's MASTER_PORT would need a port picked free in advance, which another
         # process can take before rank 0 binds it; a file store in the run's folder cannot race.

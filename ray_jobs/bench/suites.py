@@ -134,12 +134,14 @@ SUITES: dict[str, Suite] = {
         # The compute-bound MLP of issue #22 (256 -> 2048 x6 -> 16, batch 4096): ~430k samples/s in
         # fp32 on one H200 (2026-12-04), so each 131,072-row epoch lasts ~0.3 s.
         ddp=Workload("mlp", 2048, 7, rows=131072, in_features=256, out_features=16, batch_size=4096, epochs=6),
-        pipeline=Workload("mlp", 4096, 8, rows=32768, in_features=1024, out_features=1024, batch_size=1024, epochs=4),
-        fit_repetitions=3,
-        overhead_repetitions=3,
-        cheap_repetitions=3,
-        pipeline_repetitions=3,
-        pipeline_target_repetitions=3,
+        pipeline=Workload("mlp", 4096, 8, rows=16384, in_features=1024, out_features=1024, batch_size=1024, epochs=4),
+        # Two runs a side (each run's epochs after the first are its repetitions): a Ray Train fit
+        # took ~45 s on that machine, so the suite's ~25 runs fit in about 12 minutes on one GPU.
+        fit_repetitions=2,
+        overhead_repetitions=2,
+        cheap_repetitions=2,
+        pipeline_repetitions=2,
+        pipeline_target_repetitions=2,
         ddp_workers=8,
         max_workers=8,
         num_stages=2,
