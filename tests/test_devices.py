@@ -83,3 +83,19 @@ def test_rows_stay_on_the_host_when_they_do_not_fit_the_gpu(monkeypatch):
     monkeypatch.setattr("torch.cuda.mem_get_info", lambda device: (4 * 2**30, 80 * 2**30))  # 4 GiB free
     assert data_device(2**30, gpu) == gpu  # copied once
     assert data_device(3 * 2**30, gpu) == torch.device("cpu")  # over half the free memory: batch by batch
+
+
+@pytest.mark.parametrize(("gpus_per_worker", "backend"), [(0.5, "gloo"), (1.0, None)])
+def test_ddp_workers_that_may_share_a_gpu_all_reduce_over_gloo_and_say_so(gpus_per_worker, backend, monkeypatch,
+                                                                           capsys):
+    from ray_jobs import train_workers
+    from ray_jobs.config import WorkerScaling
+
+    monkeypatch.setattr("ray.nodes", lambda: [{"Alive": True, "Resources": {"CPU": 16.0, "GPU": 1.0}}])
+    scaling = WorkerScaling(num_workers=2, use_gpu=True, gpus_per_worker=gpus_per_worker)
+    assert train_workers._process_group(scaling).backend == backend  # None: Ray Train's nccl on GPUs
+    said = capsys.readouterr().out.strip().splitlines()
+    assert said == ([] if backend is None else [
+        "[raypar] --num-workers 2 with --gpus-per-worker 0.5 on nodes of 1 GPU: they share GPUs; nccl cannot run "
+        "two ranks on one GPU, so the workers all-reduce over gloo (through host memory, slower; "
+        "--gpus-per-worker 1 gives each its own GPU and nccl)"])
