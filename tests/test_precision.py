@@ -173,3 +173,20 @@ def test_fp16_pipeline_matches_the_fp16_reference_and_resumes_with_its_scale(ray
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=BF16_ATOL / 8, msg=key)
     assert read_checkpoint(f"{resumed.run_dir}/checkpoint_epoch_000003").scaler["scale"] == 65536.0
+
+
+@pytest.mark.ray
+def test_fp16_ddp_matches_the_fp16_reference_and_checkpoints_its_scale(ray_cluster, bf16):
+    # As the fp16 pipeline test: the flag's GPU check passed by, to run fp16 and its scaler on CPU
+    # (resuming with the scale is the pipeline test's; the loop restores it with the same call).
+    from ray_jobs.config import WorkerScaling
+    from ray_jobs.ddp import wrap_ddp
+    from ray_jobs.runner import prepare
+    from ray_jobs.train_workers import _fit
+
+    cfg = with_(bf16, precision="fp16")
+    summary = _fit(prepare(cfg, "ddp"), WorkerScaling(num_workers=2), wrap_ddp, None, {})
+    got, (expected, _) = load_weights(summary.run_dir), reference_for(cfg)
+    for key in expected:  # tolerance: as the fp16 pipeline's
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=BF16_ATOL / 8, msg=key)
+    assert read_checkpoint(f"{summary.run_dir}/checkpoint_epoch_000003").scaler["scale"] == 65536.0
