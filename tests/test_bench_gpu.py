@@ -73,6 +73,7 @@ def test_the_gpu_cases_aggregate_judge_and_render_canned_runs(monkeypatch):
     assert all(t["status"] in ("met", "missed", "within noise") for t in results["targets"])
     report = render(results)
     assert "2 GPU (NVIDIA H200, CUDA 13.0)" in report and "## GPU 3. The pipeline over GPUs" in report
+    assert "bf16 / fp32 final loss (raypar) 1.000" in report
 
 
 def test_one_gpu_makes_the_pipeline_stages_share_it(monkeypatch):

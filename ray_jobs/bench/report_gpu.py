@@ -17,7 +17,7 @@ def _data_parallel(case: dict[str, Any] | None) -> list[str]:
     rows = [[p["num_gpus"], fmt(p["samples_per_second"]), fmt(p["per_gpu_over_plain_loop"], ".3f"),
              fmt(p["over_torch_ddp"], ".3f")] for p in case["points"]]
     return [
-        "", f"## GPU 1. DDP over 1..{case['num_gpus']} GPUs beside plain PyTorch", "",
+        "", f"## GPU 1. DDP over 1 to {case['num_gpus']} GPU(s) beside plain PyTorch", "",
         f"{workload_line(case['workload'])}. The plain loop: one process on one GPU, no Ray, the same data "
         f"(on the GPU), order and steps: {fmt(case['plain_loop'])} samples/s. Plain DDP: "
         "`torch.multiprocessing.spawn`, one process per GPU, nccl.",
@@ -44,7 +44,8 @@ def _precision(case: dict[str, Any] | None) -> list[str]:
         "",
         f"bf16 / fp32 samples/s: raypar {fmt(case['raypar_bf16_over_fp32'], '.2f')}, plain loop "
         f"{fmt(case['plain_bf16_over_fp32'], '.2f')}; raypar / plain loop in bf16 "
-        f"{fmt(case['raypar_over_plain_bf16'], '.3f')}.",
+        f"{fmt(case['raypar_over_plain_bf16'], '.3f')}; bf16 / fp32 final loss (raypar) "
+        f"{fmt(case['raypar_bf16_over_fp32_final_loss'], '.3f')}.",
     ]
 
 

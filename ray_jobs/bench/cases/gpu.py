@@ -107,6 +107,9 @@ def gpu_precision_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
                                            figures[f"{side}-fp32"]["samples_per_second"]) for side in ("raypar", "plain")},
         "raypar_over_plain_bf16": ratio(figures["raypar-bf16"]["samples_per_second"],
                                         figures["plain-bf16"]["samples_per_second"]),
+        # how closely bf16 tracks fp32: the same steps, the final loss's ratio (the curves below)
+        "raypar_bf16_over_fp32_final_loss": ratio(figures["raypar-bf16"]["final_loss"],
+                                                  figures["raypar-fp32"]["final_loss"]),
         "loss_curves": curves, "raw": raw,
     }
 
