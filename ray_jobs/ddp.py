@@ -17,8 +17,9 @@ from ray_jobs.summary import TrainSummary
 from ray_jobs.train_workers import run_workers
 
 
-def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
-    """Move to the worker's device and wrap in DDP (a no-op wrap for a single worker)."""
+def wrap_ddp(model: nn.Module, device: torch.device, precision: str = "fp32") -> nn.Module:
+    """Move to the worker's device and wrap in DDP (a no-op wrap for a single worker); autocast
+    is the train step's (``precision``: every wrap takes it, DataParallel needs it)."""
     return ray.train.torch.prepare_model(model, move_to_device=device)
 
 

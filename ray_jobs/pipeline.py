@@ -21,7 +21,16 @@ from models import build_model, split_into_stages
 from ray_jobs import interrupts, storage
 from ray_jobs.checkpoint import TrainState, checkpoint_name, latest_checkpoint, prune_checkpoints, write_checkpoint
 from ray_jobs.cli import entry_point, exit_process
-from ray_jobs.config import PLACEMENT_STRATEGIES, TrainConfig, flag_doc, require, require_choice, require_divisible
+from ray_jobs.config import (
+    PLACEMENT_STRATEGIES,
+    TrainConfig,
+    flag_doc,
+    require,
+    require_choice,
+    require_divisible,
+    require_gpu_for_fp16,
+)
+from ray_jobs.devices import gpu_sharing
 from ray_jobs.errors import TrainingFailed, root_cause
 from ray_jobs.pipeline_timing import PipelineTiming
 from ray_jobs.preflight import wait_for_bundles
@@ -49,7 +58,10 @@ class PipelineScaling:
     num_stages: int = field(default=2, metadata=flag_doc("pipeline stages, one Ray actor (and GPU) each", "pipeline"))
     num_microbatches: int = field(default=4, metadata=flag_doc("micro-batches per global batch", "pipeline"))
     schedule: str = field(default="1f1b", metadata=flag_doc("micro-batch schedule", "pipeline", choices=sorted(SCHEDULES)))
-    use_gpu: bool = field(default=False, metadata=flag_doc("one GPU per stage", default_text="CPU"))
+    use_gpu: bool = field(default=False, metadata=flag_doc("give each stage GPUs (--gpus-per-stage)", default_text="CPU"))
+    gpus_per_stage: float = field(default=1.0, metadata=flag_doc(
+        "GPUs per stage with --use-gpu; a fraction lets small stages share one GPU (then over p2p or actor_calls, "
+        "not nccl)"))
     cpus_per_stage: float = field(default=1.0, metadata=flag_doc("CPUs per stage actor; also its torch threads"))
     placement_strategy: str = field(
         default="PACK", metadata=flag_doc("PACK keeps neighbouring stages on one node", choices=PLACEMENT_STRATEGIES)
@@ -79,18 +91,39 @@ class PipelineScaling:
         require(self.num_stages >= 1, "num_stages", self.num_stages, "at least 1")
         require(self.num_microbatches >= 1, "num_microbatches", self.num_microbatches, "at least 1")
         require(self.cpus_per_stage > 0, "cpus_per_stage", self.cpus_per_stage, "positive")
+        require(self.gpus_per_stage > 0, "gpus_per_stage", self.gpus_per_stage, "positive")
+        if self.gpus_per_stage != 1.0 and not self.use_gpu:
+            raise ValueError("--gpus-per-stage needs --use-gpu")
         require_choice(self.schedule, sorted(SCHEDULES), "schedule")
         require_choice(self.placement_strategy, PLACEMENT_STRATEGIES, "placement_strategy")
 
     def check(self, cfg: TrainConfig) -> None:
         """Checks that need both configs, run before Ray is touched."""
         require_divisible(cfg.batch_size, self.num_microbatches, "--num-microbatches")
+        require_gpu_for_fp16(cfg, self.use_gpu, "--use-gpu")
+        if cfg.precision == "fp16" and self.transport not in ("auto", "p2p"):
+            raise ValueError(f"--precision fp16 on the pipeline needs --transport p2p, not {self.transport}: its "
+                             "stages skip an overflowing step together by agreeing over p2p's process group")
+        shared = self.shared_gpus
+        if shared and self.transport == "compiled":
+            raise ValueError(f"--transport compiled cannot connect stages that share a GPU ({shared}; nccl "
+                             "refuses two ranks on one device): use --transport p2p or actor_calls, or "
+                             "--gpus-per-stage 1")
         # Layer count does not depend on the data's widths, so any widths tell whether S fits.
         split_into_stages(build_model(cfg.model, 1, 1, **cfg.model_options), self.num_stages)
 
     @property
+    def gpus_each(self) -> float | None:
+        return self.gpus_per_stage if self.use_gpu else None
+
+    @property
+    def shared_gpus(self) -> str | None:
+        """Why two stages may share a GPU (``devices.gpu_sharing``), or None."""
+        return gpu_sharing(self.num_stages, self.gpus_each, what="--num-stages", flag="--gpus-per-stage")
+
+    @property
     def bundles(self) -> list[dict[str, float]]:
-        bundle = {"CPU": self.cpus_per_stage, **({"GPU": 1.0} if self.use_gpu else {})}
+        bundle = {"CPU": self.cpus_per_stage, **({"GPU": self.gpus_per_stage} if self.use_gpu else {})}
         return [dict(bundle) for _ in range(self.num_stages)]
 
 
@@ -171,7 +204,7 @@ def _segments(first: int, total: int, every: int) -> list[tuple[int, int]]:
 
 
 def _checkpoint(stages: StageGroup, prepared: PreparedRun, state: TrainState) -> None:
-    state.model, state.optimizer, state.rng = stages.gather_state()
+    state.model, state.optimizer, state.rng, state.scaler = stages.gather_state()
     write_checkpoint(storage.join(prepared.run_dir, checkpoint_name(state.epochs_completed, state.step)), state)
     prune_checkpoints(prepared.run_dir, prepared.cfg.num_checkpoints_to_keep)
 

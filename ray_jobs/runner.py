@@ -115,6 +115,7 @@ def finish(
         ingest=dataset.ingest,
         bytes_read=metrics.get("bytes_read", dataset.file_bytes if dataset.ingest == "memory" else None),
         data_wait_fraction=metrics.get("data_wait_fraction"),
+        precision=cfg.precision,
         extra=extra or {},
     )
     storage.write(storage.join(prepared.run_dir, "model.pt"), lambda stream: torch.save(final.model, stream))

@@ -40,14 +40,18 @@ class BatchTimeout(RuntimeError):
     """A submitted call's batches did not finish in time."""
 
 
-def resolve_transport(scaling, nodes: list[str]) -> str:
-    """``auto``: GPU stages on one node talk over nccl through a compiled graph (GPU to GPU);
-    everything else uses p2p. p2p stays on gloo even between GPUs: nccl matches sends and
+def resolve_transport(scaling, nodes: list[str], precision: str = "fp32") -> str:
+    """``auto``: GPU stages on one node, each on its own GPU, talk over nccl through a compiled
+    graph (GPU to GPU); everything else uses p2p. p2p stays on gloo even between GPUs: nccl matches sends and
     receives by order, not tag, and a stage's interleaved sends and early-posted receives
     could then wait on each other; through host memory they cannot."""
     if scaling.transport != "auto":
         return scaling.transport
-    return "compiled" if scaling.use_gpu and len(set(nodes)) == 1 else "p2p"
+    # Stages that may share a GPU cannot be nccl peers: p2p (gloo) carries them. fp16's stages
+    # agree on skipping overflowing steps over p2p's process group, which only p2p has.
+    one_node = len(set(nodes)) == 1
+    nccl = scaling.use_gpu and one_node and not scaling.shared_gpus and precision != "fp16"
+    return "compiled" if nccl else "p2p"
 
 
 def connect(requested: str, actors: list, nodes: list[str], scaling, device_transport: bool):
