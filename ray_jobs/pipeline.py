@@ -33,7 +33,7 @@ from ray_jobs.config import (
 from ray_jobs.devices import gpu_sharing
 from ray_jobs.errors import TrainingFailed, root_cause
 from ray_jobs.pipeline_timing import PipelineTiming
-from ray_jobs.preflight import wait_for_bundles
+from ray_jobs.preflight import Request, wait_for_bundles
 from ray_jobs.runner import PreparedRun, finish, hold, record_failure
 from ray_jobs.schedules import SCHEDULES
 from ray_jobs.stage import stage_keys
@@ -244,8 +244,8 @@ def run(prepared: PreparedRun, scaling: PipelineScaling, crash_at_start: bool = 
     if scaling.num_microbatches < scaling.num_stages:
         warnings.warn(f"--num-microbatches {scaling.num_microbatches} < --num-stages {scaling.num_stages}: "
                       "the pipeline can never fill, some stages always idle", stacklevel=2)
-    wait_for_bundles(scaling.bundles, scaling.placement_strategy, f"--num-stages {scaling.num_stages}",
-                     cfg.resource_timeout)
+    request = Request("--num-stages", scaling.num_stages, {"CPU": "--cpus-per-stage", "GPU": "--gpus-per-stage"})
+    wait_for_bundles(scaling.bundles, scaling.placement_strategy, request, cfg.resource_timeout)
     with stream_reader(prepared) as reader:
         return _attempts(prepared, scaling, reader, crash_at_start, faults)
 

@@ -24,7 +24,7 @@ from ray_jobs.config import WorkerScaling
 from ray_jobs.devices import gpu_sharing
 from ray_jobs.errors import TrainingFailed, root_cause
 from ray_jobs.loop import LoopConfig, train_loop_per_worker
-from ray_jobs.preflight import wait_for_bundles
+from ray_jobs.preflight import Request, wait_for_bundles
 from ray_jobs.runner import PreparedRun, finish, recorded_failure
 from ray_jobs.session import WORKER_ENV
 from ray_jobs.stream import reader_stats, stream_reader
@@ -54,7 +54,8 @@ def run_workers(
     num_workers, flag = (scaling.min_workers, "--min-workers") if scaling.elastic else (scaling.num_workers,
                                                                                         "--num-workers")
     bundles = [scaling.resources_per_worker] * num_workers
-    wait_for_bundles(bundles, scaling.placement_strategy, f"{flag} {num_workers}", cfg.resource_timeout)
+    wait_for_bundles(bundles, scaling.placement_strategy, _request(prepared.strategy, flag, num_workers),
+                     cfg.resource_timeout)
     with stream_reader(prepared) as reader:
         return _fit(prepared, scaling, wrap, reader, faults)
 
@@ -124,6 +125,13 @@ def _process_group(scaling: WorkerScaling) -> TorchConfig:
     print(f"[raypar] {shared}; nccl cannot run two ranks on one GPU, so the workers all-reduce over gloo "
           "(through host memory, slower; --gpus-per-worker 1 gives each its own GPU and nccl)", flush=True)
     return TorchConfig(backend="gloo")
+
+
+def _request(strategy: str, flag: str, num_workers: int) -> Request:
+    """The flags a preflight refusal can name: DataParallel's one worker takes its GPUs by --gpus."""
+    if strategy == "dp":
+        return Request("", 1, {"CPU": "--cpus-per-worker", "GPU": "--gpus"})
+    return Request(flag, num_workers, {"CPU": "--cpus-per-worker", "GPU": "--gpus-per-worker"})
 
 
 def _storage_options(storage_path: str) -> dict:
