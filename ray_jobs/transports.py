@@ -13,6 +13,7 @@ dies surfaces as one of ``STAGE_FAILURES``, a batch that never ends as ``BatchTi
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
@@ -193,8 +194,25 @@ def get_failing_fast(refs: list, timeout_s: float) -> list:
         ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             raise GetTimeoutError(f"{len(waiting)} stage results still missing after {timeout_s:g} s")
-        ray.get(ready)
+        try:
+            ray.get(ready)
+        except Exception:
+            _take_errors(waiting)
+            raise
     return ray.get(refs)
+
+
+# How long a failed call waits for the other stages' calls to fail too. Their errors (a lost peer,
+# seen at once by gloo) are then taken here: an error Ray finds unread when its reference goes
+# prints a traceback ("Unhandled error") after the run has already said what happened.
+DRAIN_S = 2.0
+
+
+def _take_errors(refs: list) -> None:
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=DRAIN_S)
+    for ref in ready:
+        with contextlib.suppress(Exception):
+            ray.get(ref)
 
 
 def build_graph(actors: list, order: list, device_transport: bool) -> MultiOutputNode:
