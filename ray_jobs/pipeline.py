@@ -150,14 +150,18 @@ def train_epoch(stages: StageGroup, batches: list[torch.Tensor], batch_timeout_s
                 f"stages on nodes {stages.nodes})"
             ) from None
 
-    for start in range(0, len(batches), size):
-        interrupts.check()  # between calls: nothing is half-submitted
-        chunk = batches[start:start + size]
-        pending.append((transport.submit(chunk), len(chunk)))
-        if len(pending) > MAX_INFLIGHT_CALLS:
+    try:
+        for start in range(0, len(batches), size):
+            interrupts.check()  # between calls: nothing is half-submitted
+            chunk = batches[start:start + size]
+            pending.append((transport.submit(chunk), len(chunk)))
+            if len(pending) > MAX_INFLIGHT_CALLS:
+                losses += collect(*pending.popleft())
+        while pending:
             losses += collect(*pending.popleft())
-    while pending:
-        losses += collect(*pending.popleft())
+    except Exception:
+        transport.discard([handle for handle, _ in pending])
+        raise
     return losses
 
 

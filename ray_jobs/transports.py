@@ -95,6 +95,10 @@ class P2P:
     def collect(self, handle, timeout_s: float) -> list[float]:
         return _timed(lambda: get_failing_fast(handle, timeout_s)[-1])
 
+    def discard(self, handles: list) -> None:
+        """Calls given up on after another failed: their errors are taken, not printed."""
+        _take_errors([ref for handle in handles for ref in handle])
+
     def close(self) -> None:
         """The group ends with its actors."""
 
@@ -140,6 +144,10 @@ class ActorCalls:
                     continue
             raise
 
+    def discard(self, handles: list) -> None:
+        """Calls given up on after another failed: their errors are taken, not printed."""
+        _take_errors([ref for ops, steps in handles for ref in [*ops, *steps]])
+
     def close(self) -> None:
         """Nothing outlives the calls."""
 
@@ -171,6 +179,9 @@ class CompiledGraph:
         losses = _timed(lambda: [ray.get(ref, timeout=timeout_s)[-1]])
         self.batch_seconds = 0.5 * self.batch_seconds + 0.5 * (time.perf_counter() - max(began, submitted))
         return losses
+
+    def discard(self, handles: list) -> None:
+        """Nothing to take: the graph's teardown ends what it still runs."""
 
     def close(self) -> None:
         # Ray logs each step of a normal teardown at INFO; only problems are worth showing.
@@ -209,6 +220,8 @@ DRAIN_S = 2.0
 
 
 def _take_errors(refs: list) -> None:
+    if not refs:
+        return
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=DRAIN_S)
     for ref in ready:
         with contextlib.suppress(Exception):

@@ -114,6 +114,7 @@ def test_pipeline_stage_node_lost_with_room_left_is_replaced(cluster_state, regr
     output = run_losing_a_node(cluster_state, tmp_path, "pipeline", "StageWorker",
                                [*flags, "--num-stages", "2", "--num-microbatches", "4", "--placement-strategy", "SPREAD"])
     assert "restarting the pipeline from the latest checkpoint" in output
+    assert "Unhandled error" not in output  # the other stages' failed calls are taken, not printed by Ray
     record = summary_of(cfg)
     assert record["resumed_from_epoch"] == 1 and record["epochs_completed"] == 3
     assert_same_weights(load_weights(str(Path(cfg.storage_path) / cfg.name)), reference_for(cfg)[0])
