@@ -40,6 +40,8 @@ def entry_point(
         cfg, scaling = from_args(TrainConfig, args), from_args(scaling_cls, args)
         scaling.check(cfg)
         prepared = prepare(cfg, strategy)
+        if hasattr(scaling, "check_model"):  # what needs the data's widths (a user's model), still before Ray
+            scaling.check_model(prepared)
         connect(args.address)
         # After connecting, since Ray's core installs its own SIGTERM handler: SIGTERM (ray job
         # stop, kill, a scheduler) then ends the run like Ctrl-C.

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models import build_model
 from ray_jobs import storage
 from ray_jobs.checkpoint import (
     TrainState,
@@ -42,6 +41,7 @@ from ray_jobs.training import (
     build_optimizer,
     global_batches,
     loss_function,
+    make_model,
     non_finite_loss,
     rank_seed,
     shard,
@@ -68,6 +68,8 @@ class LoopConfig:
     """Fault injection for tests: the last world rank raises during this epoch."""
     reader: Any = None
     """The stream's ``WindowReader`` actor (``--ingest stream``), else None."""
+    model_factory: Callable[..., nn.Module] | None = None
+    """``--model``'s callable as the driver resolved it (``PreparedRun.model_factory``)."""
 
 
 def train_loop_per_worker(raw: dict[str, Any]) -> None:
@@ -78,7 +80,7 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
     torch.set_num_threads(loop.num_threads)
     dataset = ray.get(loop.dataset)
     device = ray.train.torch.get_device()
-    model = build_model(cfg.model, dataset.in_features, dataset.out_features, **cfg.model_options)
+    model = make_model(cfg, dataset, loop.model_factory)
     model.load_state_dict(ray.get(loop.initial_state))
     model.to(device)
     optimizer = build_optimizer(model.parameters(), cfg)

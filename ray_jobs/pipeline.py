@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from ray.exceptions import RayTaskError
 
-from models import build_model, split_into_stages
+from models import build_model, is_user_model, split_into_stages
 from ray_jobs import interrupts, storage
 from ray_jobs.checkpoint import TrainState, checkpoint_name, latest_checkpoint, prune_checkpoints, write_checkpoint
 from ray_jobs.cli import entry_point, exit_process
@@ -85,8 +85,14 @@ class PipelineScaling:
     def check(self, cfg: TrainConfig) -> None:
         """Checks that need both configs, run before Ray is touched."""
         require_divisible(cfg.batch_size, self.num_microbatches, "--num-microbatches")
-        # Layer count does not depend on the data's widths, so any widths tell whether S fits.
-        split_into_stages(build_model(cfg.model, 1, 1, **cfg.model_options), self.num_stages)
+        # A registered model's layer count does not depend on the data's widths, so any widths tell
+        # whether S fits; a user's model may need its real widths: it is cut once the data is read.
+        if not is_user_model(cfg.model):
+            split_into_stages(build_model(cfg.model, 1, 1, **cfg.model_options), self.num_stages)
+
+    def check_model(self, prepared: PreparedRun) -> list[set[str]]:
+        """Cut the model (on the meta device) with the data's widths: each stage's state_dict keys."""
+        return stage_keys(prepared.cfg, prepared.dataset, self.num_stages, prepared.model_factory)
 
     @property
     def bundles(self) -> list[dict[str, float]]:
@@ -205,19 +211,19 @@ def run(prepared: PreparedRun, scaling: PipelineScaling, crash_at_start: bool = 
     """
     cfg = prepared.cfg
     scaling.check(cfg)
+    keys = scaling.check_model(prepared)
     if scaling.num_microbatches < scaling.num_stages:
         warnings.warn(f"--num-microbatches {scaling.num_microbatches} < --num-stages {scaling.num_stages}: "
                       "the pipeline can never fill, some stages always idle", stacklevel=2)
     wait_for_bundles(scaling.bundles, scaling.placement_strategy, f"--num-stages {scaling.num_stages}",
                      cfg.resource_timeout)
     with stream_reader(prepared) as reader:
-        return _attempts(prepared, scaling, reader, crash_at_start, faults)
+        return _attempts(prepared, scaling, keys, reader, crash_at_start, faults)
 
 
-def _attempts(prepared: PreparedRun, scaling: PipelineScaling, reader, crash_at_start: bool,
+def _attempts(prepared: PreparedRun, scaling: PipelineScaling, keys: list[set[str]], reader, crash_at_start: bool,
               faults: dict) -> TrainSummary:
     cfg = prepared.cfg
-    keys = stage_keys(cfg, prepared.dataset, scaling.num_stages)
     for failures in range(cfg.max_failures + 1):
         stages = None
         try:

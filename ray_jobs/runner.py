@@ -6,11 +6,17 @@ leaves nothing in the run directory.
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
+import ray.cloudpickle
 import torch
+from torch import nn
+
+from models import is_user_model, model_factory
 
 from ray_jobs import storage
 from ray_jobs.checkpoint import TrainState
@@ -36,6 +42,8 @@ class PreparedRun:
     initial_state: dict[str, torch.Tensor]
     name: str
     storage_path: str
+    model_factory: Callable[..., nn.Module] | None = None
+    """``--model``'s callable, resolved once here; workers and stages build the model with it."""
 
     @property
     def run_dir(self) -> str:
@@ -77,14 +85,36 @@ def prepare(cfg: TrainConfig, strategy: str) -> PreparedRun:
     check_rerun(cfg, name, run_dir)
     dataset = load_data(cfg)
     check_batch_fits(cfg, dataset)
-    model = initial_model(cfg, dataset)
+    factory = ship_model_code(cfg.model)
+    model = initial_model(cfg, dataset, factory)
     if cfg.task == "auto":
         print(f"[raypar] task: {dataset.task} ({dataset.reason}; --task to choose)", flush=True)
-    prepared = PreparedRun(cfg, strategy, dataset, model.state_dict(), name, storage_path)
+    prepared = PreparedRun(cfg, strategy, dataset, model.state_dict(), name, storage_path, factory)
     storage.check_writable(run_dir)
     record_settings(cfg, strategy, run_dir)
     storage.delete_file(storage.join(run_dir, FAILURE_FILE))  # a past attempt's reason
     return prepared
+
+
+def ship_model_code(name: str) -> Callable[..., nn.Module]:
+    """``--model``'s callable. A user's module outside site-packages travels to the workers by value
+    (cloudpickle), so they build the model even where they cannot import it: a cluster joined
+    without ``--working-dir``, a test's temporary module. Workers that can import it do either way."""
+    factory = model_factory(name)
+    if is_user_model(name):
+        module = sys.modules[name.partition(":")[0]]
+        installed = any(part in (module.__file__ or "") for part in ("site-packages", "dist-packages"))
+        if not installed:
+            ray.cloudpickle.register_pickle_by_value(module)
+    return factory
+
+
+def model_record(cfg: TrainConfig, dataset: Dataset | StreamDataset) -> dict[str, Any]:
+    """``summary.json``'s ``model``: the model (a registered name or ``module.path:callable``), the
+    data's widths and the model's options, so ``models.build_model(**record)`` rebuilds ``model.pt``'s
+    architecture from the summary alone."""
+    return {"name": cfg.model, "in_features": dataset.in_features, "out_features": dataset.out_features,
+            **cfg.model_options}
 
 
 def finish(
@@ -104,8 +134,7 @@ def finish(
         losses=[float(loss) for loss in final.losses],
         samples_per_second=metrics.get("samples_per_second"),
         resumed_from_epoch=metrics.get("resumed_from_epoch"),
-        model={"name": cfg.model, "in_features": dataset.in_features, "out_features": dataset.out_features,
-               **{k: v for k, v in cfg.model_options.items() if v is not None}},
+        model=model_record(cfg, dataset),
         config={**asdict(cfg), "name": prepared.name, **extra_config},
         run_dir=prepared.run_dir,
         worker_nodes=metrics.get("worker_nodes"),
