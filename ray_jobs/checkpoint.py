@@ -37,6 +37,10 @@ class TrainState:
     """Global batches already done in epoch ``epochs_completed`` (0: the epoch has not begun)."""
     step_losses: list[float] = field(default_factory=list)
     """The global-batch losses of those ``step`` batches, for the epoch's mean loss."""
+    val_losses: list[float] = field(default_factory=list)
+    """``--val-data``: the validation loss after each completed epoch (empty without it)."""
+    val_accuracy: list[float | None] = field(default_factory=list)
+    """``--val-data``: the validation accuracy after each completed epoch (None for regression)."""
 
     @property
     def progress(self) -> tuple[int, int]:

@@ -42,6 +42,9 @@ class TrainConfig:
         "auto: an integer target column is classification, floats regression", "data", choices=TASKS))
     num_classes: int | None = field(default=None, metadata=flag_doc(
         "classes K (labels 0..K-1)", "data", "the files' raypar.num_classes, else the largest label + 1"))
+    val_data: str | None = field(default=None, metadata=flag_doc(
+        "validation Parquet (same columns, read whole into memory): its loss (and accuracy) after every epoch, "
+        "and best_model.pt", "data", "none"))
     # model
     model: str = field(default="seed-mlp", metadata=flag_doc(
         f"a registered model ({', '.join(sorted(MODELS))}), or your own as module.path:callable, imported from "

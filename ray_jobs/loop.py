@@ -27,8 +27,8 @@ from ray_jobs.checkpoint import (
     latest_checkpoint,
     load_named_optimizer_state,
     named_optimizer_state,
-    rng_state,
     resume_rng,
+    rng_state,
     saved_rng,
     write_checkpoint,
 )
@@ -47,6 +47,7 @@ from ray_jobs.training import (
     shard,
     train_step,
 )
+from ray_jobs.validation import Validation, chunk_sums, combine, is_best, my_chunks, progress, write_best_model
 
 
 @dataclass
@@ -70,6 +71,8 @@ class LoopConfig:
     """The stream's ``WindowReader`` actor (``--ingest stream``), else None."""
     model_factory: Callable[..., nn.Module] | None = None
     """``--model``'s callable as the driver resolved it (``PreparedRun.model_factory``)."""
+    val_dataset: ray.ObjectRef | None = None
+    """``--val-data`` in memory, else None."""
 
 
 def train_loop_per_worker(raw: dict[str, Any]) -> None:
@@ -113,6 +116,9 @@ class _Worker:
         self.source = open_source(dataset, loop.reader, cfg.seed, cfg.shuffle, device)
         self.first_step_at: float | None = None  # wall clock, comparable with the driver's
         self.losses = list(start.losses) if start else []
+        self.val = ray.get(loop.val_dataset) if loop.val_dataset is not None else None
+        self.val_losses = list(start.val_losses) if start else []
+        self.val_accuracy = list(start.val_accuracy) if start else []
         self.num_samples, self.epoch_seconds, self.epoch_steal = 0, [], []
         mine = (ray.get_runtime_context().get_node_id(), ctx.get_node_rank())
         nodes, node_ranks = (list(column) for column in zip(*_gather(mine, self.world_size)))
@@ -153,6 +159,7 @@ class _Worker:
     def end_epoch(self, epoch: int, step_losses: list[float], seconds: float, steal: float | None) -> None:
         cfg = self.cfg
         self.losses.append(sum(step_losses) / len(step_losses))
+        validation = self.validate()
         self.epoch_seconds.append(seconds)
         self.epoch_steal.append(steal)
         self.report.update(epoch=epoch, loss=self.losses[-1], epochs_completed=epoch + 1,
@@ -162,11 +169,29 @@ class _Worker:
                            first_step_at=self.first_step_at,
                            worker_peak_rss_bytes=_gather(peak_rss_bytes(), self.world_size))
         if self.world_rank == 0:
-            print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {self.losses[-1]:.6f}", flush=True)
+            print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {self.losses[-1]:.6f}{progress(validation)}",
+                  flush=True)
         if (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs:
             self.checkpoint(epoch + 1, 0, [])
         else:
             _report(self.report, None)
+
+    def validate(self) -> Validation | None:
+        """``--val-data`` with the weights after this epoch: each rank takes its chunks, the chunks'
+        sums are gathered, so every rank holds the same result (world rank 0 writes best_model.pt)."""
+        if self.val is None:
+            return None
+        mine = chunk_sums(self.model, self.val, my_chunks(self.val, self.world_rank, self.world_size), self.device)
+        result = combine({chunk: sums for part in _gather(mine, self.world_size) for chunk, sums in part.items()},
+                         self.val)
+        self.val_losses.append(result.loss)
+        self.val_accuracy.append(result.accuracy)
+        if self.world_rank == 0 and is_best(self.val_losses):
+            write_best_model(self.loop.run_dir, self.weights)
+        return result
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {key: value.detach().cpu() for key, value in self.model.state_dict().items()}
 
     def checkpoint(self, epochs_completed: int, step: int, step_losses: list[float]) -> None:
         """Report with a checkpoint (every rank calls it: the RNG states are gathered, and a
@@ -175,9 +200,9 @@ class _Worker:
         state = None
         if self.world_rank == 0:
             # No copy: the checkpoint is written before the next step changes these tensors.
-            weights = {key: value.detach().cpu() for key, value in self.model.state_dict().items()}
-            state = TrainState(weights, named_optimizer_state(self.optimizer, dict(self.model.named_parameters())),
-                               epochs_completed, list(self.losses), rngs, step, step_losses)
+            state = TrainState(self.weights(), named_optimizer_state(self.optimizer, dict(self.model.named_parameters())),
+                               epochs_completed, list(self.losses), rngs, step, step_losses,
+                               list(self.val_losses), list(self.val_accuracy))
         _report({**self.report, "step": step}, state)
 
 

@@ -31,8 +31,9 @@ from ray_jobs.stage import stage_keys
 from ray_jobs.stage_group import StageGroup, StartFailed
 from ray_jobs.summary import TrainSummary
 from ray_jobs.stream import epoch_indices, reader_stats, stream_reader
-from ray_jobs.training import global_batches, non_finite_loss
+from ray_jobs.training import global_batches, make_model, non_finite_loss
 from ray_jobs.transports import STAGE_FAILURES, TRANSPORTS, BatchTimeout
+from ray_jobs.validation import Validation, is_best, progress, validate, write_best_model
 
 # This module holds the flags, the attempts (retries from the latest checkpoint) and the epoch
 # loop; the stage actor is stage.py, their placement and failure probing stage_group.py, the
@@ -166,9 +167,27 @@ def _train_epoch(stages: StageGroup, prepared: PreparedRun, attempt: Attempt, sc
     attempt.timing.add_epoch(time.perf_counter() - began, new * cfg.batch_size, stages.take_timing())
     state.losses.append(sum(losses) / len(batches))
     state.epochs_completed, state.step, state.step_losses = epoch + 1, 0, []
-    print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {state.losses[-1]:.6f}", flush=True)
+    validation = _validate(stages, prepared, state)
+    print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {state.losses[-1]:.6f}{progress(validation)}", flush=True)
     if state.epochs_completed % cfg.checkpoint_every == 0 or state.epochs_completed == cfg.epochs:
-        _checkpoint(stages, prepared, state)
+        _checkpoint(stages, prepared, state, gathered=validation is not None)
+
+
+def _validate(stages: StageGroup, prepared: PreparedRun, state: TrainState) -> Validation | None:
+    """``--val-data`` on the driver, with the stages' weights gathered into the whole model (as a
+    checkpoint gathers them): the same chunks, so the same result, as the data-parallel workers."""
+    if prepared.val_dataset is None:
+        return None
+    state.model, state.optimizer, state.rng = stages.gather_state()
+    with torch.device("meta"):
+        model = make_model(prepared.cfg, prepared.dataset, prepared.model_factory)
+    model.load_state_dict(state.model, assign=True)  # the gathered tensors themselves: no second copy
+    result = validate(model, prepared.val_dataset, torch.device("cpu"))
+    state.val_losses.append(result.loss)
+    state.val_accuracy.append(result.accuracy)
+    if is_best(state.val_losses):
+        write_best_model(prepared.run_dir, lambda: state.model)
+    return result
 
 
 def _segments(first: int, total: int, every: int) -> list[tuple[int, int]]:
@@ -176,8 +195,10 @@ def _segments(first: int, total: int, every: int) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:]))
 
 
-def _checkpoint(stages: StageGroup, prepared: PreparedRun, state: TrainState) -> None:
-    state.model, state.optimizer, state.rng = stages.gather_state()
+def _checkpoint(stages: StageGroup, prepared: PreparedRun, state: TrainState, gathered: bool = False) -> None:
+    """``gathered``: ``state`` already holds the stages' state as of now."""
+    if not gathered:
+        state.model, state.optimizer, state.rng = stages.gather_state()
     write_checkpoint(storage.join(prepared.run_dir, checkpoint_name(state.epochs_completed, state.step)), state)
     prune_checkpoints(prepared.run_dir, prepared.cfg.num_checkpoints_to_keep)
 

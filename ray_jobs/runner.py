@@ -26,6 +26,7 @@ from ray_jobs.resume import check_rerun, record_settings
 from ray_jobs.stream import StreamDataset, plan_stream, uncompressed_bytes
 from ray_jobs.summary import TrainSummary
 from ray_jobs.training import check_batch_fits, initial_model
+from ray_jobs.validation import best_epoch, read_val_data
 
 # The default data when --data is not given: the DDP tutorial's shape (10 inputs, 5 outputs).
 SYNTHETIC_ROWS, SYNTHETIC_IN, SYNTHETIC_OUT = 1024, 10, 5
@@ -44,6 +45,8 @@ class PreparedRun:
     storage_path: str
     model_factory: Callable[..., nn.Module] | None = None
     """``--model``'s callable, resolved once here; workers and stages build the model with it."""
+    val_dataset: Dataset | None = None
+    """``--val-data``, in memory."""
 
     @property
     def run_dir(self) -> str:
@@ -85,11 +88,13 @@ def prepare(cfg: TrainConfig, strategy: str) -> PreparedRun:
     check_rerun(cfg, name, run_dir)
     dataset = load_data(cfg)
     check_batch_fits(cfg, dataset)
+    val = None if cfg.val_data is None else read_val_data(cfg.val_data, cfg.feature_column, cfg.target_column,
+                                                              dataset)
     factory = ship_model_code(cfg.model)
     model = initial_model(cfg, dataset, factory)
     if cfg.task == "auto":
         print(f"[raypar] task: {dataset.task} ({dataset.reason}; --task to choose)", flush=True)
-    prepared = PreparedRun(cfg, strategy, dataset, model.state_dict(), name, storage_path, factory)
+    prepared = PreparedRun(cfg, strategy, dataset, model.state_dict(), name, storage_path, factory, val)
     storage.check_writable(run_dir)
     record_settings(cfg, strategy, run_dir)
     storage.delete_file(storage.join(run_dir, FAILURE_FILE))  # a past attempt's reason
@@ -142,11 +147,21 @@ def finish(
         ingest=dataset.ingest,
         bytes_read=metrics.get("bytes_read", dataset.file_bytes if dataset.ingest == "memory" else None),
         data_wait_fraction=metrics.get("data_wait_fraction"),
+        task=dataset.task,
+        **validation_summary(prepared, final),
         extra=extra or {},
     )
     storage.write(storage.join(prepared.run_dir, "model.pt"), lambda stream: torch.save(final.model, stream))
     storage.write_bytes(storage.join(prepared.run_dir, "summary.json"), summary.to_json().encode())
     return summary
+
+
+def validation_summary(prepared: PreparedRun, final: TrainState) -> dict[str, Any]:
+    if prepared.val_dataset is None:
+        return {}
+    classification = prepared.val_dataset.task == "classification"
+    return {"val_losses": list(final.val_losses), "val_accuracy": list(final.val_accuracy) if classification else None,
+            "best_epoch": best_epoch(final.val_losses)}
 
 
 def record_failure(run_dir: str, reason: str) -> None:

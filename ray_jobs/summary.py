@@ -26,6 +26,14 @@ class TrainSummary:
     data_wait_fraction: float | None = None
     """Share of the training loop's time spent blocked until rows arrived from the stream's reader
     (world rank 0's; the stages' share of their time in a pipeline); 0 in memory."""
+    task: str | None = None
+    """``regression`` or ``classification``, as the data decided it (``predict`` needs it)."""
+    val_losses: list[float] | None = None
+    """``--val-data``: the validation loss after each epoch (None without it)."""
+    val_accuracy: list[float] | None = None
+    """``--val-data``: the validation accuracy after each epoch (None for regression)."""
+    best_epoch: int | None = None
+    """``--val-data``: the 1-based epoch with the lowest validation loss, whose weights are best_model.pt."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -41,6 +49,13 @@ class TrainSummary:
         return f"{self.resumed_from_epoch}, step {self.resumed_from_step}" if self.resumed_from_step else \
             str(self.resumed_from_epoch)
 
+    def _validation_rows(self) -> list[tuple[str, str]]:
+        if not self.val_losses:
+            return []
+        best = self.best_epoch
+        accuracy = f", accuracy {self.val_accuracy[best - 1]:.4f}" if self.val_accuracy else ""
+        return [("best validation", f"epoch {best}: loss {self.val_losses[best - 1]:.6f}{accuracy}")]
+
     def table(self) -> str:
         """A short human-readable result table."""
         rows = [
@@ -48,6 +63,7 @@ class TrainSummary:
             ("world size", self.world_size),
             ("epochs completed", self.epochs_completed),
             ("first / last loss", f"{self.losses[0]:.6f} / {self.losses[-1]:.6f}" if self.losses else "-"),
+            *self._validation_rows(),
             ("samples/s", f"{self.samples_per_second:,.0f}" if self.samples_per_second else "-"),
             ("resumed from epoch", self._resumed()),
             ("ingest", f"{self.ingest}, data wait {self.data_wait_fraction:.1%}" if self.data_wait_fraction

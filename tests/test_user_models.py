@@ -4,15 +4,17 @@ from __future__ import annotations
 import json
 import textwrap
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from models import build_model, not_reproducible_layers, split_into_stages
-from ray_jobs import ddp, pipeline
+from ray_jobs import ddp, pipeline, validation
 from ray_jobs.config import TrainConfig, parse_model_options
-from tests.helpers import assert_same_weights, load_weights, reference_for, run_strategy
+from ray_jobs.data import synthesize, table_to_dataset, write_table
+from tests.helpers import assert_same_weights, load_weights, reference_for, run_strategy, tensors, with_
 
 # A user's model file: an nn.Sequential whose children nest (a block of two layers), built from
 # options of every kind --model-option parses (int, string, bool).
@@ -139,19 +141,102 @@ def test_sync_batchnorm_needs_a_gpu(capsys):
     assert "--sync-batchnorm needs --use-gpu: SyncBatchNorm runs on CUDA only" in capsys.readouterr().err
 
 
-@pytest.mark.ray
-@pytest.mark.parametrize(("strategy", "size"), [("ddp", 1), ("ddp", 2), ("dp", 1), ("pipeline", 2), ("pipeline", 3)])
-def test_a_user_model_trains_to_the_reference(ray_cluster, user_module, regression_data, tmp_path, strategy, size):
-    """The workers and stages cannot import the test's module (it is on this process's path only):
-    the model's code reaches them by value."""
-    cfg = TrainConfig(model=f"{user_module}:build", model_option=["act=tanh", "bias=true"], hidden=5,
-                      data=regression_data, epochs=2, batch_size=16, seed=3, storage_path=str(tmp_path), name="run")
+def run_and_compare(strategy: str, cfg: TrainConfig, size: int) -> dict:
+    """Train ``cfg`` with ``strategy`` at ``size`` workers or stages; check the weights, the losses and
+    every epoch's validation against plain PyTorch; returns the summary record."""
     scaling = pipeline.PipelineScaling(num_stages=size, num_microbatches=4) if strategy == "pipeline" else None
     summary = run_strategy(strategy, cfg, size, scaling)
     expected_weights, expected_losses = reference_for(cfg)
     assert_same_weights(load_weights(summary.run_dir), expected_weights)
     assert summary.losses == pytest.approx(expected_losses, rel=1e-5)  # all-reduce order, as in assert_same_weights
-    record = json.loads((tmp_path / "run" / "summary.json").read_text())["model"]
-    assert record == {"name": f"{user_module}:build", "in_features": 6, "out_features": 3, "act": "tanh",
-                      "bias": True, "hidden": 5}
-    build_model(**record).load_state_dict(load_weights(summary.run_dir))  # the summary alone rebuilds model.pt
+    record = json.loads((Path(summary.run_dir) / "summary.json").read_text())
+    build_model(**record["model"]).load_state_dict(load_weights(summary.run_dir))  # the summary alone rebuilds it
+    val_x, val_y, _ = tensors(cfg.val_data)
+    expected = [plain_validation(record["model"], reference_for(with_(cfg, epochs=epoch))[0], val_x, val_y)
+                for epoch in range(1, cfg.epochs + 1)]
+    # float32 whole-set mean vs float64 chunk sums, of weights equal to float tolerance
+    assert record["val_losses"] == pytest.approx([loss for loss, _ in expected], rel=1e-5)
+    classification = val_y.dtype == torch.int64
+    assert record["val_accuracy"] == ([accuracy for _, accuracy in expected] if classification else None)
+    best = min(range(cfg.epochs), key=lambda epoch: record["val_losses"][epoch])
+    assert record["best_epoch"] == best + 1
+    assert_same_weights(torch.load(Path(summary.run_dir) / "best_model.pt", weights_only=True),
+                        reference_for(with_(cfg, epochs=best + 1))[0])
+    return record
+
+
+def plain_validation(model_record: dict, weights: dict, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """The validation loss and accuracy as plain PyTorch computes them: one forward of the whole set."""
+    model = build_model(**model_record)
+    model.load_state_dict(weights)
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+    if y.dtype == torch.int64:
+        return nn.CrossEntropyLoss()(out, y).item(), (out.argmax(dim=1) == y).double().mean().item()
+    return nn.MSELoss()(out, y).item(), None
+
+
+@pytest.fixture
+def user_cfg(user_module, request, tmp_path):
+    """The user model's run: its task's training data, 40 validation rows of the same kind."""
+    task = getattr(request, "param", "classification")
+    val_data = str(tmp_path / "val.parquet")
+    write_table(synthesize(rows=40, in_features=6, out_features=4 if task == "classification" else 3, task=task,
+                           seed=9), val_data)
+    return TrainConfig(model=f"{user_module}:build", model_option=["act=tanh", "bias=true"], hidden=5,
+                       data=request.getfixturevalue(f"{task}_data"), val_data=val_data, epochs=2, batch_size=16,
+                       seed=3, storage_path=str(tmp_path / "runs"))
+
+
+@pytest.mark.ray
+def test_ddp_trains_a_user_model_and_validates_it_alike_with_1_and_2_workers(ray_cluster, user_cfg):
+    """The workers cannot import the test's module (it is on this process's path only): the model's
+    code reaches them by value."""
+    one, two = (run_and_compare("ddp", with_(user_cfg, name=f"ddp{size}"), size) for size in (1, 2))
+    # the two runs' weights differ by all-reduce rounding only; the evaluation itself is the same
+    assert two["val_losses"] == pytest.approx(one["val_losses"], rel=1e-6)
+    assert two["val_accuracy"] == one["val_accuracy"]
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("user_cfg", ["regression"], indirect=True)
+def test_dataparallel_trains_a_user_model(ray_cluster, user_cfg):
+    assert run_and_compare("dp", with_(user_cfg, name="dp"), 1)["val_accuracy"] is None
+
+
+@pytest.mark.ray
+def test_the_pipeline_cuts_a_user_model_and_validation_survives_a_resume(ray_cluster, user_cfg):
+    """Two epochs on 2 stages, then a re-run of the name on 3 stages trains the third."""
+    first = run_and_compare("pipeline", with_(user_cfg, name="pipe"), 2)
+    resumed = run_and_compare("pipeline", with_(user_cfg, name="pipe", epochs=3), 3)
+    assert resumed["resumed_from_epoch"] == 2
+    assert resumed["val_losses"][:2] == first["val_losses"]  # kept from the checkpoint, not recomputed
+
+
+def test_validation_is_the_same_bits_for_any_worker_count(monkeypatch):
+    """Chunks fixed whatever the worker count, summed in chunk order: 1, 2 or 3 ranks' shares
+    combine to exactly the one-process result, which equals plain PyTorch to float rounding."""
+    monkeypatch.setattr(validation, "CHUNK_ROWS", 16)
+    val = table_to_dataset(synthesize(rows=70, in_features=6, out_features=4, task="classification", seed=5))
+    torch.manual_seed(0)
+    model = build_model("mlp", 6, 4, hidden=8, depth=3)
+    whole = validation.validate(model, val, torch.device("cpu"))
+    for world_size in (1, 2, 3):
+        shares = [validation.chunk_sums(model, val, validation.my_chunks(val, rank, world_size), torch.device("cpu"))
+                  for rank in range(world_size)]
+        assert validation.combine({k: v for share in shares for k, v in share.items()}, val) == whole
+    x, y = val.tensors()
+    with torch.no_grad():
+        out = model(x)
+    assert whole.loss == pytest.approx(nn.CrossEntropyLoss()(out, y).item(), rel=1e-6)  # float32 mean vs float64 sums
+    assert whole.accuracy == (out.argmax(dim=1) == y).double().mean().item()
+
+
+def test_val_data_must_match_the_training_data(regression_data, classification_data, tmp_path, capsys):
+    argv = ["--data", regression_data, "--val-data", classification_data, "--storage-path", str(tmp_path)]
+    assert ddp.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "error: --val-data" in err[0], err
+    assert ddp.main(["--data", regression_data, "--val-data", str(tmp_path / "none.parquet")]) == 2
+    assert f"error: --val-data {tmp_path / 'none.parquet'}: no such file" in capsys.readouterr().err
