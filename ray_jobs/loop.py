@@ -37,6 +37,7 @@ from ray_jobs.errors import described
 from ray_jobs.readings import cpu_times, peak_rss_bytes, steal_fraction
 from ray_jobs.runner import record_failure
 from ray_jobs.stream import epoch_indices, open_source
+from ray_jobs.train_log import TrainLog
 from ray_jobs.training import (
     build_optimizer,
     global_batches,
@@ -120,6 +121,7 @@ class _Worker:
         self.val_losses = list(start.val_losses) if start else []
         self.val_accuracy = list(start.val_accuracy) if start else []
         self.num_samples, self.epoch_seconds, self.epoch_steal = 0, [], []
+        self.log = TrainLog(loop.run_dir) if self.world_rank == 0 else None  # TensorBoard: world rank 0's
         mine = (ray.get_runtime_context().get_node_id(), ctx.get_node_rank())
         nodes, node_ranks = (list(column) for column in zip(*_gather(mine, self.world_size)))
         self.report = {"worker_nodes": nodes, "worker_node_ranks": node_ranks,
@@ -154,6 +156,7 @@ class _Worker:
                 record_failure(self.loop.run_dir, failure)
             return None
         self.num_samples += len(losses) * cfg.batch_size
+        self.epoch_samples = len(losses) * cfg.batch_size
         return losses
 
     def end_epoch(self, epoch: int, step_losses: list[float], seconds: float, steal: float | None) -> None:
@@ -171,6 +174,9 @@ class _Worker:
         if self.world_rank == 0:
             print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {self.losses[-1]:.6f}{progress(validation)}",
                   flush=True)
+        if self.log is not None:
+            self.log.epoch(epoch, step_losses, self.losses[-1], validation, self.epoch_samples / seconds,
+                           self.optimizer.param_groups[0]["lr"])
         if (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs:
             self.checkpoint(epoch + 1, 0, [])
         else:

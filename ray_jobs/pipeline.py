@@ -31,6 +31,7 @@ from ray_jobs.stage import stage_keys
 from ray_jobs.stage_group import StageGroup, StartFailed
 from ray_jobs.summary import TrainSummary
 from ray_jobs.stream import epoch_indices, reader_stats, stream_reader
+from ray_jobs.train_log import TrainLog
 from ray_jobs.training import global_batches, make_model, non_finite_loss
 from ray_jobs.transports import STAGE_FAILURES, TRANSPORTS, BatchTimeout
 from ray_jobs.validation import Validation, is_best, progress, validate, write_best_model
@@ -143,6 +144,7 @@ class Attempt:
     resumed_from_epoch: int | None
     resumed_from_step: int | None
     timing: PipelineTiming
+    log: TrainLog
 
 
 def _train_epoch(stages: StageGroup, prepared: PreparedRun, attempt: Attempt, scaling: PipelineScaling,
@@ -164,11 +166,13 @@ def _train_epoch(stages: StageGroup, prepared: PreparedRun, attempt: Attempt, sc
         if end < len(batches):
             state.step, state.step_losses = end, list(losses)
             _checkpoint(stages, prepared, state)
-    attempt.timing.add_epoch(time.perf_counter() - began, new * cfg.batch_size, stages.take_timing())
+    seconds = time.perf_counter() - began
+    attempt.timing.add_epoch(seconds, new * cfg.batch_size, stages.take_timing())
     state.losses.append(sum(losses) / len(batches))
     state.epochs_completed, state.step, state.step_losses = epoch + 1, 0, []
     validation = _validate(stages, prepared, state)
     print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {state.losses[-1]:.6f}{progress(validation)}", flush=True)
+    attempt.log.epoch(epoch, losses, state.losses[-1], validation, new * cfg.batch_size / seconds, cfg.lr)
     if state.epochs_completed % cfg.checkpoint_every == 0 or state.epochs_completed == cfg.epochs:
         _checkpoint(stages, prepared, state, gathered=validation is not None)
 
@@ -214,11 +218,13 @@ def _inject(stages: StageGroup, attempt: Attempt, faults: dict, epoch: int, step
 def _start_attempt(stages: StageGroup, prepared: PreparedRun, num_stages: int) -> Attempt:
     checkpoint = latest_checkpoint(prepared.run_dir)
     if checkpoint is None:
-        return Attempt(TrainState(dict(prepared.initial_state), {}, 0, []), None, None, PipelineTiming(num_stages))
+        return Attempt(TrainState(dict(prepared.initial_state), {}, 0, []), None, None, PipelineTiming(num_stages),
+                       TrainLog(prepared.run_dir))
     stages.restore(checkpoint)
     at = f"epoch {checkpoint.epochs_completed}" + (f", step {checkpoint.step}" if checkpoint.step else "")
     print(f"[raypar] resuming from the checkpoint after {at}", flush=True)
-    return Attempt(checkpoint, checkpoint.epochs_completed, checkpoint.step, PipelineTiming(num_stages))
+    return Attempt(checkpoint, checkpoint.epochs_completed, checkpoint.step, PipelineTiming(num_stages),
+                   TrainLog(prepared.run_dir))
 
 
 def run(prepared: PreparedRun, scaling: PipelineScaling, crash_at_start: bool = False, **faults) -> TrainSummary:

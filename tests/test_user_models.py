@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import struct
 import textwrap
 import uuid
 from pathlib import Path
@@ -162,7 +163,46 @@ def run_and_compare(strategy: str, cfg: TrainConfig, size: int) -> dict:
     assert record["best_epoch"] == best + 1
     assert_same_weights(torch.load(Path(summary.run_dir) / "best_model.pt", weights_only=True),
                         reference_for(with_(cfg, epochs=best + 1))[0])
+    check_tensorboard(summary.run_dir, record, cfg)
     return record
+
+
+def check_tensorboard(run_dir: str, record: dict, cfg: TrainConfig) -> None:
+    """The event files hold what summary.json holds, per epoch (x = 1-based epoch), and every global
+    batch's loss (x = global step); TensorBoard stores float32."""
+    found = scalars(run_dir)
+    epochs = list(range(1, cfg.epochs + 1))
+    for tag, values in (("train/epoch_loss", record["losses"]), ("val/loss", record["val_losses"]),
+                        ("val/accuracy", record["val_accuracy"]), ("lr", [cfg.lr] * cfg.epochs)):
+        if values is None:
+            assert tag not in found
+            continue
+        assert [step for step, _ in found[tag]] == epochs, tag
+        assert [value for _, value in found[tag]] == pytest.approx(values, rel=1e-6), tag
+    assert [step for step, _ in found["perf/samples_per_second"]] == epochs
+    assert all(value > 0 for _, value in found["perf/samples_per_second"])
+    steps = 96 // cfg.batch_size
+    assert [step for step, _ in found["train/loss"]] == list(range(1, cfg.epochs * steps + 1))
+    per_epoch = [sum(value for step, value in found["train/loss"] if (step - 1) // steps == epoch) / steps
+                 for epoch in range(cfg.epochs)]
+    assert per_epoch == pytest.approx(record["losses"], rel=1e-6)
+
+
+def scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """``{tag: [(step, value), ...]}`` from the run's event files (TFRecord framing: length, its
+    CRC, an ``Event`` protobuf, its CRC), read with tensorboardX's own protobuf classes."""
+    from tensorboardX.proto import event_pb2
+
+    found: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted((Path(run_dir) / "tensorboard").glob("events.out.tfevents.*")):
+        data, offset = path.read_bytes(), 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                found.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return found
 
 
 def plain_validation(model_record: dict, weights: dict, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
