@@ -14,6 +14,8 @@ from torch import nn
 from models import build_model, not_reproducible_layers, split_into_stages
 from ray_jobs import ddp, pipeline, validation
 from ray_jobs.config import TrainConfig, parse_model_options
+from ray_jobs.runner import prepare
+from ray_jobs.training import warn_not_reproducible
 from ray_jobs.data import synthesize, table_to_dataset, write_table
 from tests.helpers import assert_same_weights, load_weights, reference_for, run_strategy, tensors, with_
 
@@ -280,3 +282,24 @@ def test_val_data_must_match_the_training_data(regression_data, classification_d
     assert len(err) == 1 and "error: --val-data" in err[0], err
     assert ddp.main(["--data", regression_data, "--val-data", str(tmp_path / "none.parquet")]) == 2
     assert f"error: --val-data {tmp_path / 'none.parquet'}: no such file" in capsys.readouterr().err
+
+
+def test_ddp_warns_once_naming_the_layers_it_cannot_match(user_module, regression_data, tmp_path):
+    cfg = TrainConfig(model=f"{user_module}:with_layers_ddp_cannot_match", data=regression_data,
+                      storage_path=str(tmp_path))
+    prepared = prepare(cfg, "ddp")
+    with pytest.warns(UserWarning) as caught:
+        warn_not_reproducible(cfg, prepared.dataset, prepared.model_factory, "DDP")
+    assert len(caught) == 1
+    assert str(caught[0].message) == (
+        "DDP trains this model but cannot match single-process weights: 1 (BatchNorm1d) normalises over each "
+        "worker's shard of the batch, not the global batch; 2 (Dropout) draws a random mask on each worker")
+    with pytest.warns(UserWarning, match="2 \\(Dropout\\)") as caught:  # SyncBatchNorm (GPU) covers BatchNorm
+        warn_not_reproducible(cfg, prepared.dataset, prepared.model_factory, "DDP", (nn.modules.batchnorm._BatchNorm,))
+    assert "BatchNorm" not in str(caught[0].message)
+
+
+def test_val_data_with_a_streamed_training_set(regression_data, tmp_path):
+    cfg = TrainConfig(data=regression_data, val_data=regression_data, ingest="stream", storage_path=str(tmp_path))
+    prepared = prepare(cfg, "ddp")
+    assert prepared.dataset.ingest == "stream" and prepared.val_dataset.num_rows == 96
