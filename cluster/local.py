@@ -9,6 +9,7 @@ and SPREAD placement behaves as on real machines. The dashboard and job API list
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -372,6 +373,43 @@ def down(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- preempt -------------------------------------------------------------------------------
+
+
+def session_members(session_id: int) -> list[int]:
+    """Every process of a session (Linux /proc): a node's raylet, agents and the Ray workers it
+    started, which make process groups of their own but stay in the node's session."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # The fields after the command name, which may itself hold spaces and parentheses.
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[3]) == session_id:
+            members.append(int(stat.parent.name))
+    return members
+
+
+def preempt(args: argparse.Namespace) -> int:
+    """SIGKILL every process of one worker node at once, as a spot preemption or a hardware loss
+    would: no drain, no goodbye to the GCS. The rest of the cluster stays up."""
+    state = require_state(Path(args.state_dir).resolve())
+    workers = {node["ip"]: node for node in state["nodes"] if node["ip"] != HEAD_NODE_IP}
+    node = workers.get(args.node)
+    if node is None:
+        raise UserError(f"--node {args.node} is not a worker node of this cluster; worker nodes: "
+                        f"{', '.join(workers) or 'none'} (the head holds the GCS: losing it ends the cluster)")
+    if not group_alive(node):
+        raise UserError(f"node {args.node} is not running")
+    members = session_members(node["pgid"])
+    for pid in members:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    print(f"preempted node {args.node}: killed {len(members)} processes; Ray marks it dead within ~15 s")
+    return 0
+
+
 # ---- command line --------------------------------------------------------------------------
 
 
@@ -398,6 +436,10 @@ def build_parser() -> argparse.ArgumentParser:
     stop = commands.add_parser("down", parents=[common], help="stop exactly the processes `up` started")
     stop.add_argument("--timeout", type=float, default=20, help="seconds between SIGTERM and SIGKILL (default: 20)")
     stop.set_defaults(run=down)
+    lose = commands.add_parser("preempt", parents=[common],
+                               help="kill one worker node's every process at once, as a spot preemption would")
+    lose.add_argument("--node", required=True, help="the worker node's IP, as `status` lists it (e.g. 127.0.0.3)")
+    lose.set_defaults(run=preempt)
     return parser
 
 

@@ -37,6 +37,8 @@ class TrainState:
     """Global batches already done in epoch ``epochs_completed`` (0: the epoch has not begun)."""
     step_losses: list[float] = field(default_factory=list)
     """The global-batch losses of those ``step`` batches, for the epoch's mean loss."""
+    world_sizes: list[dict[str, int]] = field(default_factory=list)
+    """Each attempt whose work this state holds: ``num_workers`` and the ``epoch``/``step`` it began at."""
     val_losses: list[float] = field(default_factory=list)
     """``--val-data``: the validation loss after each completed epoch (empty without it)."""
     val_accuracy: list[float | None] = field(default_factory=list)

@@ -19,7 +19,7 @@ from ray_jobs.errors import TrainingFailed, root_cause
 from ray_jobs.interrupts import run_until_interrupted
 from ray_jobs.resume import AlreadyComplete
 from ray_jobs.runner import PreparedRun, prepare
-from ray_jobs.session import connect
+from ray_jobs.session import connect, reachable
 from ray_jobs.summary import TrainSummary
 
 
@@ -34,11 +34,14 @@ def entry_point(
     add_flags(parser, TrainConfig)
     add_flags(parser, scaling_cls, "placement")
     flag_group(parser, "placement").add_argument(
-        "--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else a new local Ray)")
+        "--address", default=None,
+        help="Ray cluster to join: host:port of its head, or auto for the one `ray start` runs on this machine "
+             "(default: RAY_ADDRESS, else a new local Ray)")
     args = parser.parse_args(argv)
     try:
         cfg, scaling = from_args(TrainConfig, args), from_args(scaling_cls, args)
         scaling.check(cfg)
+        reachable(args.address)  # a wrong address fails in seconds, before the data is read
         prepared = prepare(cfg, strategy)
         if hasattr(scaling, "check_model"):  # what needs the data's widths (a user's model), still before Ray
             scaling.check_model(prepared)

@@ -182,6 +182,10 @@ class WorkerScaling:
     placement_strategy: str = field(
         default="PACK", metadata=flag_doc("how workers spread over nodes", choices=PLACEMENT_STRATEGIES)
     )
+    min_workers: int | None = field(default=None, metadata=flag_doc(
+        "elastic run (DDP): after losing workers or nodes, resume on as many workers as the cluster can "
+        "place, at least this many, and grow back to --num-workers when nodes return; the global batch "
+        "and the trained weights stay the same", default_text="--num-workers: not elastic"))
     sync_batchnorm: bool = field(default=False, metadata=flag_doc(
         "convert the model's BatchNorm layers to SyncBatchNorm, which normalises over the global batch "
         "(CUDA only, so it needs --use-gpu)", "model"))
@@ -191,6 +195,9 @@ class WorkerScaling:
             raise ValueError("--sync-batchnorm needs --use-gpu: SyncBatchNorm runs on CUDA only; on CPU each "
                              "worker's BatchNorm normalises over its own shard of the batch")
         require(self.num_workers >= 1, "num_workers", self.num_workers, "at least 1")
+        if self.min_workers is not None:
+            require(1 <= self.min_workers <= self.num_workers, "min_workers", self.min_workers,
+                    f"between 1 and --num-workers {self.num_workers}")
         require(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "positive")
         if self.gpus_per_worker is not None:
             require(self.gpus_per_worker > 0, "gpus_per_worker", self.gpus_per_worker, "positive")
@@ -199,8 +206,18 @@ class WorkerScaling:
         require_choice(self.placement_strategy, PLACEMENT_STRATEGIES, "placement_strategy")
 
     def check(self, cfg: TrainConfig) -> None:
-        """Checks that need both configs, run before Ray is touched."""
-        require_divisible(cfg.batch_size, self.num_workers, "--num-workers")
+        """Checks that need both configs, run before Ray is touched. A batch that does not divide
+        evenly is fine: ``training.shard_weight`` keeps its gradient the global-batch mean."""
+        if cfg.batch_size < self.num_workers:
+            raise ValueError(f"--batch-size {cfg.batch_size} is smaller than --num-workers {self.num_workers}: "
+                             "every worker needs at least one row of each global batch")
+        if self.elastic and cfg.max_failures < 1:
+            raise ValueError(f"--min-workers {self.min_workers} needs --max-failures of at least 1: resuming on "
+                             "fewer workers after a loss is one of the run's retries")
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_workers is not None and self.min_workers < self.num_workers
 
     @property
     def resources_per_worker(self) -> dict[str, float]:

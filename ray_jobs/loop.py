@@ -35,7 +35,7 @@ from ray_jobs.checkpoint import (
 from ray_jobs.config import TrainConfig
 from ray_jobs.errors import described
 from ray_jobs.readings import cpu_times, peak_rss_bytes, steal_fraction
-from ray_jobs.runner import record_failure
+from ray_jobs.runner import hold, record_failure
 from ray_jobs.stream import epoch_indices, open_source
 from ray_jobs.train_log import TrainLog
 from ray_jobs.training import (
@@ -46,6 +46,7 @@ from ray_jobs.training import (
     non_finite_loss,
     rank_seed,
     shard,
+    shard_weight,
     train_step,
 )
 from ray_jobs.validation import Validation, chunk_sums, combine, is_best, my_chunks, progress, write_best_model
@@ -74,6 +75,10 @@ class LoopConfig:
     """``--model``'s callable as the driver resolved it (``PreparedRun.model_factory``)."""
     val_dataset: ray.ObjectRef | None = None
     """``--val-data`` in memory, else None."""
+    hold_at_epoch: int | None = None
+    """Fault injection for tests: on a run not resumed from a checkpoint, every rank waits at this
+    epoch's start, after the previous epoch's checkpoint, until ``hold_until`` exists."""
+    hold_until: str = ""
 
 
 def train_loop_per_worker(raw: dict[str, Any]) -> None:
@@ -90,11 +95,16 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
     optimizer = build_optimizer(model.parameters(), cfg)
     torch.manual_seed(rank_seed(cfg.seed, ctx.get_world_rank()))  # this rank's dropout draws
     start = _restore(loop.run_dir, model, optimizer, cfg.seed, ctx.get_world_rank(), ctx.get_world_size())
+    if start is not None and ctx.get_world_rank() == 0:
+        at = f"epoch {start.epochs_completed}" + (f", step {start.step}" if start.step else "")
+        print(f"[raypar] resuming from the checkpoint after {at} on {ctx.get_world_size()} worker(s)", flush=True)
     worker = _Worker(loop, cfg, dataset, device, model, optimizer, ctx, start)
     for epoch in range(start.epochs_completed if start else 0, cfg.epochs):
         resuming = start is not None and epoch == start.epochs_completed
         first_step, done = (start.step, list(start.step_losses)) if resuming else (0, [])
         began, cpu = time.perf_counter(), cpu_times()
+        if loop.hold_at_epoch == epoch and start is None:
+            hold(loop.hold_until)
         with described(f"world rank {worker.world_rank}"):  # only this rank knows where it failed
             if loop.fail_at_epoch == epoch and worker.world_rank == worker.world_size - 1:
                 raise RuntimeError("injected fault")
@@ -124,9 +134,12 @@ class _Worker:
         self.log = TrainLog(loop.run_dir) if self.world_rank == 0 else None  # TensorBoard: world rank 0's
         mine = (ray.get_runtime_context().get_node_id(), ctx.get_node_rank())
         nodes, node_ranks = (list(column) for column in zip(*_gather(mine, self.world_size)))
+        attempt = {"num_workers": self.world_size, "epoch": start.epochs_completed if start else 0,
+                   "step": start.step if start else 0}
         self.report = {"worker_nodes": nodes, "worker_node_ranks": node_ranks,
                        "resumed_from_epoch": start.epochs_completed if start else None,
-                       "resumed_from_step": start.step if start else None}
+                       "resumed_from_step": start.step if start else None,
+                       "world_sizes": (list(start.world_sizes) if start else []) + [attempt]}
 
     def run_epoch(self, epoch: int, first_step: int, done: list[float], crash: bool = False) -> list[float] | None:
         """Train epoch ``epoch`` from global batch ``first_step`` (``done``: the losses of the steps
@@ -135,12 +148,13 @@ class _Worker:
         cfg, every = self.cfg, self.cfg.checkpoint_every_steps
         batches = global_batches(epoch_indices(self.dataset, cfg.seed, epoch, cfg.shuffle), cfg.batch_size)
         step_losses = torch.zeros(len(batches) - first_step, device=self.device)
+        weight = shard_weight(cfg.batch_size, self.world_size, self.world_rank)
         for index, batch in enumerate(batches[first_step:]):
             if self.first_step_at is None:
                 self.first_step_at = time.time()
             features, targets = self.source.rows(shard(batch, self.world_size, self.world_rank))
             features, targets = features.to(self.device), targets.to(self.device)
-            step_losses[index] = train_step(self.wrapped, self.optimizer, self.loss_fn, features, targets)
+            step_losses[index] = train_step(self.wrapped, self.optimizer, self.loss_fn, features, targets, weight)
             step = first_step + index + 1
             if crash and self.world_rank == 0 and step - 1 == self.loop.crash_at_step:
                 _crash()
@@ -208,7 +222,8 @@ class _Worker:
             # No copy: the checkpoint is written before the next step changes these tensors.
             state = TrainState(self.weights(), named_optimizer_state(self.optimizer, dict(self.model.named_parameters())),
                                epochs_completed, list(self.losses), rngs, step, step_losses,
-                               list(self.val_losses), list(self.val_accuracy))
+                               self.report["world_sizes"], val_losses=list(self.val_losses),
+                               val_accuracy=list(self.val_accuracy))
         _report({**self.report, "step": step}, state)
 
 

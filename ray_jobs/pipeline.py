@@ -25,7 +25,7 @@ from ray_jobs.config import PLACEMENT_STRATEGIES, TrainConfig, flag_doc, require
 from ray_jobs.errors import TrainingFailed, root_cause
 from ray_jobs.pipeline_timing import PipelineTiming
 from ray_jobs.preflight import wait_for_bundles
-from ray_jobs.runner import PreparedRun, finish, record_failure
+from ray_jobs.runner import PreparedRun, finish, hold, record_failure
 from ray_jobs.schedules import SCHEDULES
 from ray_jobs.stage import stage_keys
 from ray_jobs.stage_group import StageGroup, StartFailed
@@ -209,7 +209,10 @@ def _checkpoint(stages: StageGroup, prepared: PreparedRun, state: TrainState, ga
 
 def _inject(stages: StageGroup, attempt: Attempt, faults: dict, epoch: int, steps: range) -> None:
     """Tests' faults, in the last stage, in the first attempt: before the segment of
-    ``crash_at_epoch`` / ``fail_at_epoch`` that holds step ``crash_at_step`` (default 0)."""
+    ``crash_at_epoch`` / ``fail_at_epoch`` that holds step ``crash_at_step`` (default 0); or the
+    driver waits at ``hold_at_epoch``'s start until the file ``hold_until`` exists."""
+    if faults.get("hold_at_epoch") == epoch and attempt.resumed_from_epoch is None and steps.start == 0:
+        hold(faults["hold_until"])
     fault = {faults.get("crash_at_epoch"): "crash", faults.get("fail_at_epoch"): "fail_next_forward"}.get(epoch)
     if fault and attempt.resumed_from_epoch is None and faults.get("crash_at_step", 0) in steps:
         getattr(stages.actors[-1], fault).remote()

@@ -21,11 +21,11 @@ class PredictConfig:
     """What to predict with, on what, and where to put it."""
 
     run_dir: str | None = field(default=None, metadata=flag_doc(
-        "a finished run's directory (<storage-path>/<name>), local or a URI", "data", "required"))
+        "a finished run's directory (<storage-path>/<name>), local or a URI", "data", "none: required"))
     data: str | None = field(default=None, metadata=flag_doc(
-        "Parquet file or directory to predict, local or a URI", "data", "required"))
+        "Parquet file or directory to predict, local or a URI", "data", "none: required"))
     out: str | None = field(default=None, metadata=flag_doc(
-        "the Parquet file to write, local or a URI", "data", "required"))
+        "the Parquet file to write, local or a URI", "data", "none: required"))
     feature_column: str = field(default="features", metadata=flag_doc("list<float> column of inputs", "data"))
     checkpoint: str = field(default="final", metadata=flag_doc(
         "final: model.pt; best: best_model.pt (a run with --val-data)", "model", choices=tuple(WEIGHTS)))

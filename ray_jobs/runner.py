@@ -6,7 +6,9 @@ leaves nothing in the run directory.
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -172,3 +174,13 @@ def record_failure(run_dir: str, reason: str) -> None:
 def recorded_failure(run_dir: str) -> str | None:
     path = storage.join(run_dir, FAILURE_FILE)
     return json.loads(storage.read_bytes(path))["error"] if storage.exists(path) else None
+
+
+def hold(path: str, timeout_s: float = 300.0) -> None:
+    """Fault injection for tests: say so in ``<path>.waiting``, then wait until ``path`` exists
+    (a test kills a node meanwhile)."""
+    with open(f"{path}.waiting", "w"):
+        pass
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.2)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from typing import Any
 
 import ray
@@ -10,23 +11,108 @@ import ray
 # Ray Train otherwise re-prints every worker line with a prefix, doubling the progress output.
 WORKER_ENV = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
 API_SERVER_VARIABLE = "RAY_API_SERVER_ADDRESS"
+# How long a cluster's GCS port has to accept a TCP connection. Ray's own client retries a dead
+# address for minutes, printing warnings (measured: still waiting after 90 s for a closed port).
+PROBE_TIMEOUT_S = 5.0
+# How long ray.init may take once the port answered: ~10 s here for a healthy cluster; what hangs
+# past this is a port that is not a Ray GCS (the dashboard's 8265, another service).
+JOIN_TIMEOUT_S = 20.0
 
 
 def connect(address: str | None = None) -> None:
-    """Join ``address`` (or ``RAY_ADDRESS``, as set inside ``ray job submit``); else start a local cluster."""
+    """Join ``address`` (else ``RAY_ADDRESS``, as set inside ``ray job submit``); without either,
+    start a fresh local Ray, whatever an old ``ray start`` left in /tmp/ray.
+
+    Raises ``ValueError`` (one line: the address and what to check) when the address does not
+    answer within ``PROBE_TIMEOUT_S + JOIN_TIMEOUT_S``."""
     if ray.is_initialized():
         return
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        for key, value in WORKER_ENV.items():
-            os.environ.setdefault(key, value)
-        ray.init(address=address, log_to_driver=True)
-    else:
+    target = reachable(address)
+    if target is None:
         start_local()
+        return
+    for key, value in WORKER_ENV.items():
+        os.environ.setdefault(key, value)
+    # Ray reads RAY_ADDRESS before its own argument: keep the two the same.
+    os.environ["RAY_ADDRESS"] = target
+    _join(target, _named(address))
+
+
+def reachable(address: str | None) -> str | None:
+    """The address a job will join (None: a local Ray), checked to answer: entry points call it
+    before any other work, so a wrong address costs seconds, not a data load."""
+    what = _named(address)
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not address or address == "local":
+        return None
+    target = resolve(address, what)
+    probe(target, what + (f" ({target})" if target != address else ""), recorded=address == "auto")
+    return target
+
+
+def _named(address: str | None) -> str:
+    """How the user gave the address, for messages: the flag, or the environment variable."""
+    return f"--address {address}" if address else f"RAY_ADDRESS {os.environ.get('RAY_ADDRESS')}"
+
+
+def resolve(address: str, what: str) -> str:
+    """``auto``: the cluster ``ray start`` recorded on this machine; anything else as given."""
+    if address.startswith(("http://", "https://")):
+        raise ValueError(f"{what} is a dashboard (job API) address, which `ray job submit --address` takes; "
+                         "a job joins the cluster's GCS: host:6379, or ray://host:10001")
+    if address != "auto":
+        return address
+    from ray._private.utils import get_ray_address_file, read_ray_address
+
+    recorded = read_ray_address()
+    if not recorded:
+        raise ValueError(f"{what}: no Ray cluster is running on this machine (`ray start --head` records one "
+                         f"in {get_ray_address_file(None)}); start one, or drop --address to start a local Ray")
+    return recorded
+
+
+def probe(address: str, what: str, recorded: bool = False, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Fail in seconds, in one line, when nothing accepts connections at ``address``'s host:port."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{what}: expected host:port (e.g. 10.0.0.5:6379), auto, or ray://host:10001")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+    stale = " (the recorded head is gone: start it again with `ray start --head`)" if recorded else ""
+    drop = "unset RAY_ADDRESS" if what.startswith("RAY_ADDRESS") else "drop --address"
+    raise ValueError(f"{what}: no Ray cluster answers there ({reason}){stale}; check the address and that the "
+                     f"head node is up (`ray status --address ...`), or {drop} to start a local Ray")
+
+
+def _join(address: str, what: str) -> None:
+    """``ray.init`` on a helper thread, bounded: a port that accepts connections but is not a Ray
+    GCS would otherwise keep it retrying for minutes."""
+    outcome: dict = {}
+
+    def target() -> None:
+        try:
+            ray.init(address=address, log_to_driver=True)
+            outcome["done"] = True
+        except BaseException as error:  # re-raised on the caller's thread below
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, name="raypar-connect", daemon=True)
+    thread.start()
+    thread.join(JOIN_TIMEOUT_S)
+    if "error" in outcome:
+        error = outcome["error"]
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"{what}: could not join the Ray cluster there: {first}")
+    if not outcome:
+        raise ValueError(f"{what}: the port answers but no Ray cluster joined within {JOIN_TIMEOUT_S:g} s; "
+                         "is it the cluster's GCS port (6379 by default, not the dashboard's 8265)?")
 
 
 def start_local(**init_options: Any) -> str:
-    """Start a local Ray instance whose dashboard (and state API) listens on loopback only;
+    """Start a fresh local Ray instance whose dashboard (and state API) listens on loopback only;
     returns the dashboard's URL."""
     url = f"http://127.0.0.1:{_free_port()}"
     os.environ.update(WORKER_ENV)
@@ -37,8 +123,10 @@ def start_local(**init_options: Any) -> str:
     previous = os.environ.get(API_SERVER_VARIABLE)
     os.environ[API_SERVER_VARIABLE] = url
     try:
-        ray.init(dashboard_host="127.0.0.1", dashboard_port=int(url.rsplit(":", 1)[1]), log_to_driver=True,
-                 **init_options)
+        # "local": a plain ray.init() would join whatever /tmp/ray/ray_current_cluster names, and
+        # hang for as long as that head is gone (measured: over 8 minutes, silent).
+        ray.init(address="local", dashboard_host="127.0.0.1", dashboard_port=int(url.rsplit(":", 1)[1]),
+                 log_to_driver=True, **init_options)
     finally:
         if previous is None:
             os.environ.pop(API_SERVER_VARIABLE)
@@ -48,6 +136,6 @@ def start_local(**init_options: Any) -> str:
 
 
 def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    with socket.socket() as probe_socket:
+        probe_socket.bind(("127.0.0.1", 0))
+        return probe_socket.getsockname()[1]

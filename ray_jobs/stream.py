@@ -290,10 +290,15 @@ def stream_reader(prepared) -> Iterator:
 
 def start_reader(dataset: StreamDataset, seed: int, shuffle: bool, num_epochs: int):
     """A ``WindowReader`` actor. Its threads wait for windows being read; one per worker or stage
-    asking, and one more for the window asked ahead, is plenty at 64."""
+    asking, and one more for the window asked ahead, is plenty at 64. It lives on the driver's
+    node, as Ray Train's controller does: a worker node lost to preemption takes no more than its
+    workers, which a retry (or an elastic run) replaces."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return ray.remote(num_cpus=0, max_concurrency=64)(WindowReader).remote(dataset, seed, shuffle, num_epochs)
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(num_cpus=0, max_concurrency=64)(WindowReader).options(scheduling_strategy=here).remote(
+        dataset, seed, shuffle, num_epochs)
 
 
 def window_at(dataset: StreamDataset, seed: int, epoch: int, shuffle: bool, position: int) -> int:

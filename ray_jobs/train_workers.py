@@ -49,8 +49,11 @@ def run_workers(
     ``faults``: ``LoopConfig``'s fault injection, for tests."""
     cfg = prepared.cfg
     scaling.check(cfg)
-    bundles = [scaling.resources_per_worker] * scaling.num_workers
-    wait_for_bundles(bundles, scaling.placement_strategy, f"--num-workers {scaling.num_workers}", cfg.resource_timeout)
+    # An elastic run may start on a cluster already short of nodes: only its minimum must fit.
+    num_workers, flag = (scaling.min_workers, "--min-workers") if scaling.elastic else (scaling.num_workers,
+                                                                                        "--num-workers")
+    bundles = [scaling.resources_per_worker] * num_workers
+    wait_for_bundles(bundles, scaling.placement_strategy, f"{flag} {num_workers}", cfg.resource_timeout)
     with stream_reader(prepared) as reader:
         return _fit(prepared, scaling, wrap, reader, faults)
 
@@ -73,7 +76,7 @@ def _fit(prepared: PreparedRun, scaling: WorkerScaling, wrap, reader, faults: di
         train_loop_per_worker,
         train_loop_config=vars(loop),
         scaling_config=ScalingConfig(
-            num_workers=scaling.num_workers,
+            num_workers=(scaling.min_workers, scaling.num_workers) if scaling.elastic else scaling.num_workers,
             use_gpu=scaling.use_gpu,
             resources_per_worker=scaling.resources_per_worker,
             placement_strategy=scaling.placement_strategy,
@@ -102,7 +105,10 @@ def _fit(prepared: PreparedRun, scaling: WorkerScaling, wrap, reader, faults: di
     metrics = {**(result.metrics or {}), **reader_stats(reader)}
     extra = {key: metrics.get(key) for key in ("worker_node_ranks", "epoch_seconds", "epoch_steal", "first_step_at",
                                                 "worker_peak_rss_bytes")}
-    return finish(prepared, final, metrics, scaling.num_workers, {"scaling": asdict(scaling)}, extra)
+    # The attempts whose work is in the model, as its last checkpoint recorded them.
+    extra["world_sizes"] = final.world_sizes or None
+    world_size = final.world_sizes[-1]["num_workers"] if final.world_sizes else scaling.num_workers
+    return finish(prepared, final, metrics, world_size, {"scaling": asdict(scaling)}, extra)
 
 
 def _storage_options(storage_path: str) -> dict:

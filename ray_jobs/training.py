@@ -81,9 +81,20 @@ def global_batches(order: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
 
 
 def shard(batch: torch.Tensor, num_shards: int, index: int) -> torch.Tensor:
-    """The ``index``-th of ``num_shards`` equal contiguous slices of a global batch."""
-    size = len(batch) // num_shards
-    return batch[index * size : (index + 1) * size]
+    """The ``index``-th of ``num_shards`` contiguous slices of a global batch: equal when the
+    batch divides evenly, else the first ``len(batch) % num_shards`` slices hold one row more."""
+    base, extra = divmod(len(batch), num_shards)
+    start = index * base + min(index, extra)
+    return batch[start : start + base + (index < extra)]
+
+
+def shard_weight(batch_size: int, num_shards: int, index: int) -> float:
+    """What slice ``index``'s mean loss is scaled by, so that all-reduce's mean over the
+    ``num_shards`` slices is the mean over the whole global batch: its share of the rows times
+    ``num_shards``. Exactly 1.0 when the batch divides evenly."""
+    base, extra = divmod(batch_size, num_shards)
+    rows = base + (index < extra)
+    return 1.0 if extra == 0 else rows * num_shards / batch_size
 
 
 def microbatches(batch: torch.Tensor, num_microbatches: int) -> list[torch.Tensor]:
@@ -160,11 +171,15 @@ def load_state_dict_file(path: str) -> dict[str, torch.Tensor]:
 
 
 def train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module, x: torch.Tensor, y: torch.Tensor
+    model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module, x: torch.Tensor, y: torch.Tensor,
+    weight: float = 1.0,
 ) -> torch.Tensor:
-    """One optimizer step on one (shard of a) global batch; returns the detached loss."""
+    """One optimizer step on one (shard of a) global batch; returns the detached loss, scaled by
+    ``weight`` (``shard_weight``: an uneven slice's share of the global batch)."""
     optimizer.zero_grad(set_to_none=True)
     loss = loss_fn(model(x), y)
+    if weight != 1.0:  # skipped when even: the unscaled graph keeps results bit-identical to before
+        loss = loss * weight
     loss.backward()
     optimizer.step()
     return loss.detach()

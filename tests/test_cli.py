@@ -13,7 +13,9 @@ from tests.helpers import REPO
 
 BAD_INPUT = [
     (["--num-workers", "0"], "error: --num-workers must be at least 1, got 0"),
-    (["--num-workers", "4", "--batch-size", "30"], "error: --batch-size 30 is not divisible by --num-workers 4"),
+    (["--num-workers", "4", "--batch-size", "3"], "error: --batch-size 3 is smaller than --num-workers 4: every worker"),
+    (["--num-workers", "2", "--min-workers", "3"], "error: --min-workers must be between 1 and --num-workers 2, got 3"),
+    (["--min-workers", "1"], "error: --min-workers 1 needs --max-failures of at least 1"),
     (["--model", "vit"], "error: --model 'vit' is unknown; valid models: mlp, seed-linear, seed-mlp, seed-split"),
     (["--model", "seed-linear", "--hidden", "4"], "error: model 'seed-linear' does not take --hidden"),
     (["--epochs", "-1"], "error: --epochs must be at least 1, got -1"),
@@ -61,11 +63,12 @@ def test_unwritable_storage_path(tmp_path, capsys):
 
 def test_a_real_process_prints_no_traceback(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "ray_jobs.ddp", "--num-workers", "3", "--batch-size", "10"],
+        [sys.executable, "-m", "ray_jobs.ddp", "--num-workers", "3", "--batch-size", "2"],
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 2
-    assert result.stderr.strip() == "error: --batch-size 10 is not divisible by --num-workers 3"
+    assert result.stderr.strip() == ("error: --batch-size 2 is smaller than --num-workers 3: every worker needs at "
+                                     "least one row of each global batch")
     assert "Traceback" not in result.stdout + result.stderr
 
 

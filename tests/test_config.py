@@ -7,7 +7,7 @@ import torch
 from ray_jobs.checkpoint import load_named_optimizer_state, named_optimizer_state
 from ray_jobs.config import ArgumentParser, TrainConfig, WorkerScaling, add_flags, from_args, require_divisible
 from ray_jobs.dp import DataParallelScaling
-from ray_jobs.training import epoch_order, global_batches, shard
+from ray_jobs.training import epoch_order, global_batches, shard, shard_weight
 
 
 @pytest.mark.parametrize(
@@ -56,6 +56,36 @@ def test_batch_must_divide():
     require_divisible(32, 4, "--num-workers")
     with pytest.raises(ValueError, match="--batch-size 30 is not divisible by --num-workers 4"):
         require_divisible(30, 4, "--num-workers")
+
+
+def test_an_uneven_batch_splits_into_nearly_equal_contiguous_slices():
+    batch = torch.arange(32)
+    slices = [shard(batch, 3, rank) for rank in range(3)]
+    assert [len(part) for part in slices] == [11, 11, 10]
+    assert torch.equal(torch.cat(slices), batch)
+    assert [shard_weight(32, 4, rank) for rank in range(4)] == [1.0] * 4  # even: exactly unscaled
+
+
+def test_weighted_shard_losses_average_to_the_global_batch_gradient():
+    """What DDP does with 3 workers and a batch of 32 (slices 11, 11, 10): all-reduce averages the
+    3 gradients, so each slice's mean loss is weighted by its share of the batch times 3."""
+    torch.manual_seed(0)
+    model, x, y = torch.nn.Linear(4, 2), torch.randn(32, 4), torch.randn(32, 2)
+    loss_fn = torch.nn.MSELoss()
+
+    def gradient(loss):
+        model.zero_grad()
+        loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    reference = gradient(loss_fn(model(x), y))
+    rows = torch.arange(32)
+    per_worker = [gradient(loss_fn(model(x[shard(rows, 3, r)]), y[shard(rows, 3, r)]) * shard_weight(32, 3, r))
+                  for r in range(3)]
+    unweighted = [gradient(loss_fn(model(x[shard(rows, 3, r)]), y[shard(rows, 3, r)])) for r in range(3)]
+    # float32 sums over other groupings of the same 32 rows: rounding only
+    torch.testing.assert_close(sum(per_worker) / 3, reference, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(sum(unweighted) / 3, reference, rtol=1e-5, atol=1e-6)  # the weighting matters
 
 
 def test_flags_round_trip():

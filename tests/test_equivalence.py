@@ -14,7 +14,8 @@ pytestmark = pytest.mark.ray
 CASES = [
     # strategy, num_workers, task, shuffle, optimizer settings
     ("ddp", 2, "regression", True, {"momentum": 0.9}),
-    ("ddp", 2, "regression", False, {}),
+    # 32 rows over 3 workers: slices of 11, 11 and 10, each loss weighted by its share
+    ("ddp", 3, "regression", False, {"batch_size": 32}),
     ("ddp", 2, "classification", True, {"optimizer": "adamw", "lr": 0.01, "weight_decay": 0.01}),
     ("ddp", 2, "classification", False, {}),
     ("ddp", 1, "regression", True, {}),
@@ -30,8 +31,8 @@ def test_matches_single_process_reference(
 ):
     data = request.getfixturevalue(f"{task}_data")
     cfg = TrainConfig(
-        model="seed-mlp", hidden=8, data=data, epochs=3, batch_size=16, seed=7, shuffle=shuffle,
-        storage_path=str(tmp_path), name="run", **{"lr": 0.05, **optim},
+        model="seed-mlp", hidden=8, data=data, epochs=3, seed=7, shuffle=shuffle,
+        storage_path=str(tmp_path), name="run", **{"lr": 0.05, "batch_size": 16, **optim},
     )
     summary = run_strategy(strategy, cfg, num_workers)
     expected_weights, expected_losses = reference_for(cfg)
@@ -44,6 +45,7 @@ def test_matches_single_process_reference(
     assert record["world_size"] == num_workers
     assert record["epochs_completed"] == 3
     assert record["resumed_from_epoch"] is None
+    assert record["world_sizes"] == [{"num_workers": num_workers, "epoch": 0, "step": 0}]
     assert len(record["worker_nodes"]) == num_workers
     assert record["samples_per_second"] > 0
     # the bench reads each epoch's CPU steal (None off Linux), the first step's wall-clock time

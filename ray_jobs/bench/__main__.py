@@ -1,6 +1,6 @@
-import sys
 
 from ray_jobs.bench.run import main
+from ray_jobs.cli import exit_process
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

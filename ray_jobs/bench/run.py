@@ -133,6 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(cases) - set(CASES))
     if unknown or not cases:
         parser.error(f"--cases {args.cases!r}: valid cases are {', '.join(CASES)}")
+    from ray_jobs.session import reachable
+
+    try:
+        reachable(args.address)  # a wrong address fails in seconds, before anything is written
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     scratch = None if args.storage_path else tempfile.mkdtemp(prefix="raypar-bench-")
     try:
         results = run_suite(SUITES[args.suite], args.out, args.storage_path or scratch, args.address, cases)

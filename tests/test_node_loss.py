@@ -1,0 +1,135 @@
+"""Losing a node for real: a worker node of a local multi-node cluster is preempted mid-run (every
+process of it SIGKILLed at once, ``python -m cluster.local preempt``), and the run still ends with
+the single-process reference's weights.
+
+The cluster's ports are free ones picked at run time, so it never meets the shared cluster.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from cluster import local
+from ray_jobs.config import TrainConfig
+from tests.helpers import REPO, assert_same_weights, cluster_cli, cluster_up, load_weights, reference_for
+
+pytestmark = pytest.mark.cluster
+
+WAIT_S = 300  # a bound against hangs: Ray marks a lost node dead ~15 s after it goes
+
+
+@pytest.fixture(scope="module")
+def cluster_state(tmp_path_factory):
+    """Three worker nodes of one CPU each, so a lost node's share is visible in the worker count."""
+    state_dir = str(tmp_path_factory.mktemp("node-loss-cluster"))
+    try:
+        started, _ = cluster_up(state_dir, "--num-nodes", "3", "--cpus-per-node", "1")
+        assert started.returncode == 0, started.stdout + started.stderr
+        yield {**local.load_state(Path(state_dir)), "state_dir": state_dir}
+    finally:
+        stopped = cluster_cli("down", "--state-dir", state_dir, "--timeout", "15")
+        assert stopped.returncode == 0, stopped.stderr
+
+
+def state_api(state: dict, what: str) -> list[dict]:
+    token = Path(state["token_path"]).read_text().strip()
+    request = urllib.request.Request(f"{state['dashboard_url']}/api/v0/{what}?limit=1000",
+                                     headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.load(response)["data"]["result"]["result"]
+
+
+def alive_worker_nodes(state: dict) -> list[str]:
+    """The worker nodes whose processes run, once Ray's view agrees (a node lost just before is
+    marked dead ~15 s after it went)."""
+    running = sorted(node["ip"] for node in state["nodes"] if node["ip"] != local.HEAD_NODE_IP and local.group_alive(node))
+    deadline = time.monotonic() + WAIT_S
+    while (seen := sorted(n["node_ip"] for n in state_api(state, "nodes")
+                          if n["state"] == "ALIVE" and not n["is_head_node"])) != running:
+        assert time.monotonic() < deadline, (seen, running)
+        time.sleep(0.5)
+    return running
+
+
+def nodes_hosting(state: dict, class_name: str) -> list[str]:
+    ips = {n["node_id"]: n["node_ip"] for n in state_api(state, "nodes")}
+    return sorted({ips[a["node_id"]] for a in state_api(state, "actors")
+                   if a["class_name"] == class_name and a["state"] == "ALIVE"})
+
+
+def run_losing_a_node(state: dict, tmp_path: Path, strategy: str, actor_class: str, flags: list[str]) -> str:
+    """Run ``strategy`` as its own driver; once epoch 1's checkpoint is written and the run waits
+    (the tests' hold), preempt a node hosting one of its ``actor_class`` actors. Returns the output."""
+    go = tmp_path / "go"
+    faults = json.dumps({"hold_at_epoch": 1, "hold_until": str(go)})
+    env = {k: v for k, v in local.ray_env(state).items() if k != "RAY_API_SERVER_ADDRESS"}
+    # Ray Train's elastic policy sees a lost node only at its coordinator's next look (every
+    # 20 s); each start it tries on the old count meanwhile fails after this bound (default 60 s).
+    env["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "15"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.fault_driver", strategy, faults, "--address", state["address"], *flags],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not Path(f"{go}.waiting").exists():
+            assert process.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.2)
+        victim = nodes_hosting(state, actor_class)[-1]
+        preempted = cluster_cli("preempt", "--state-dir", state["state_dir"], "--node", victim)
+        assert preempted.returncode == 0, preempted.stderr
+        go.touch()
+        assert process.wait(timeout=WAIT_S) == 0, "".join(lines)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, 9)
+    time.sleep(0.5)  # the reader thread's last lines
+    return "".join(lines)
+
+
+def config(data: str, tmp_path: Path, model: str) -> tuple[TrainConfig, list[str]]:
+    cfg = TrainConfig(model=model, hidden=8, data=data, epochs=3, batch_size=16, seed=7,
+                      storage_path=str(tmp_path / "runs"), name="run")
+    flags = ["--model", cfg.model, "--hidden", "8", "--data", cfg.data, "--epochs", "3", "--batch-size", "16",
+             "--seed", "7", "--storage-path", cfg.storage_path, "--name", cfg.name, "--max-failures", "3"]
+    return cfg, flags
+
+
+def summary_of(cfg: TrainConfig) -> dict:
+    return json.loads((Path(cfg.storage_path) / cfg.name / "summary.json").read_text())
+
+
+def test_pipeline_stage_node_lost_with_room_left_is_replaced(cluster_state, regression_data, tmp_path):
+    assert len(alive_worker_nodes(cluster_state)) == 3  # a spare node for the lost stage
+    cfg, flags = config(regression_data, tmp_path, "seed-split")
+    output = run_losing_a_node(cluster_state, tmp_path, "pipeline", "StageWorker",
+                               [*flags, "--num-stages", "2", "--num-microbatches", "4", "--placement-strategy", "SPREAD"])
+    assert "restarting the pipeline from the latest checkpoint" in output
+    record = summary_of(cfg)
+    assert record["resumed_from_epoch"] == 1 and record["epochs_completed"] == 3
+    assert_same_weights(load_weights(str(Path(cfg.storage_path) / cfg.name)), reference_for(cfg)[0])
+
+
+def test_elastic_ddp_continues_on_fewer_workers_with_the_same_weights(cluster_state, regression_data, tmp_path):
+    # After the pipeline test: 2 nodes, so 2 -> 1 workers; alone: 3 -> 2 (16 rows as 6, 5, 5 first).
+    num_nodes = len(alive_worker_nodes(cluster_state))
+    cfg, flags = config(regression_data, tmp_path, "seed-mlp")
+    output = run_losing_a_node(cluster_state, tmp_path, "ddp", "RayTrainWorker",
+                               [*flags, "--num-workers", str(num_nodes), "--min-workers", "1"])
+    assert f"resuming from the checkpoint after epoch 1 on {num_nodes - 1} worker(s)" in output
+    record = summary_of(cfg)
+    assert record["world_sizes"] == [{"num_workers": num_nodes, "epoch": 0, "step": 0},
+                                     {"num_workers": num_nodes - 1, "epoch": 1, "step": 0}]
+    assert record["world_size"] == num_nodes - 1 and record["resumed_from_epoch"] == 1
+    assert len(set(record["worker_nodes"])) == num_nodes - 1
+    # the global batch is the same on any worker count; all-reduce order is the only difference
+    assert_same_weights(load_weights(str(Path(cfg.storage_path) / cfg.name)), reference_for(cfg)[0])

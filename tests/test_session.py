@@ -1,0 +1,89 @@
+"""Which Ray a job joins: a fresh local one without --address, whatever /tmp/ray holds; and an
+address that does not answer is one ``error:`` line and exit 2, in seconds, for every entry point."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from ray_jobs import ddp, dp, pipeline, session
+from ray_jobs.bench import run as bench
+from tests.helpers import REPO
+
+ENTRY_POINTS = {"ddp": ddp.main, "dp": dp.main, "pipeline": pipeline.main, "bench": bench.main}
+
+
+def closed_port() -> int:
+    with socket.socket() as probe:  # bound, never listening: connections are refused
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def ray_tmpdir(monkeypatch):
+    """A temp dir of Ray's own (RAY_TMPDIR), as /tmp is to a plain Ray: its ray/ray_current_cluster
+    is the record ``ray start`` leaves. Short, for Ray's socket paths under it."""
+    directory = tempfile.mkdtemp(prefix="rp")
+    (Path(directory) / "ray").mkdir()
+    monkeypatch.setenv("RAY_TMPDIR", directory)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    yield Path(directory)
+    subprocess.run(["rm", "-rf", directory], check=False)
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_an_address_that_does_not_answer_is_one_line(entry, tmp_path, capsys):
+    port = closed_port()
+    code = ENTRY_POINTS[entry](["--address", f"127.0.0.1:{port}", "--storage-path", str(tmp_path / "runs")])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --address 127.0.0.1:{port}: no Ray cluster answers there"), err
+    assert "drop --address to start a local Ray" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "runs").exists()  # checked before anything is written
+
+
+def test_ray_address_from_the_environment_is_named_as_such(monkeypatch, capsys):
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{closed_port()}")
+    assert ddp.main([]) == 2
+    assert capsys.readouterr().err.startswith("error: RAY_ADDRESS 127.0.0.1:")
+
+
+def test_auto_names_the_stale_record_and_how_to_fix_it(ray_tmpdir):
+    port = closed_port()
+    (ray_tmpdir / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{port}\n")
+    with pytest.raises(ValueError, match=rf"--address auto \(127\.0\.0\.1:{port}\): no Ray cluster answers there "
+                                         r".*the recorded head is gone: start it again with `ray start --head`"):
+        session.reachable("auto")
+
+
+def test_auto_without_a_running_cluster(ray_tmpdir):
+    with pytest.raises(ValueError, match="--address auto: no Ray cluster is running on this machine"):
+        session.reachable("auto")
+
+
+@pytest.mark.parametrize(("address", "message"), [
+    ("http://127.0.0.1:8265", "is a dashboard \\(job API\\) address"),
+    ("headnode", "expected host:port"),
+])
+def test_addresses_of_the_wrong_kind(address, message):
+    with pytest.raises(ValueError, match=message):
+        session.reachable(address)
+
+
+@pytest.mark.ray
+def test_without_an_address_a_stale_record_is_ignored(ray_tmpdir):
+    """A head killed rather than stopped leaves its record; a plain ray.init() would join it and
+    wait for as long as it is gone (measured: over 8 minutes)."""
+    (ray_tmpdir / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{closed_port()}\n")
+    script = ("import ray; from ray_jobs.session import connect; connect(); "
+              "print('cpus', ray.get(ray.remote(lambda: ray.cluster_resources()['CPU']).remote()))")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "cpus" in result.stdout
