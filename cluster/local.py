@@ -1,10 +1,11 @@
-"""A multi-node Ray cluster on one machine: ``python -m cluster.local up|status|down``.
+"""A multi-node Ray cluster on one machine: ``python -m cluster.local up|status|preempt|down``.
 
 Each node is one ``ray start --block`` process in its own process group, on its own loopback
 address (head 127.0.0.2, worker i 127.0.0.(i+3)), so Ray sees distinct nodes: node ranks differ
 and SPREAD placement behaves as on real machines. The dashboard and job API listen on
 127.0.0.1 only, token authentication is on, and ``down`` signals only the process groups that
 ``up`` recorded: never ``ray stop``, which would also stop every other Ray on the machine.
+``preempt`` kills one worker node's every process at once, as a spot preemption would.
 """
 from __future__ import annotations
 

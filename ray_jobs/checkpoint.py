@@ -39,6 +39,9 @@ class TrainState:
     """The global-batch losses of those ``step`` batches, for the epoch's mean loss."""
     world_sizes: list[dict[str, int]] = field(default_factory=list)
     """Each attempt whose work this state holds: ``num_workers`` and the ``epoch``/``step`` it began at."""
+    scaler: dict[str, Any] | None = None
+    """``--precision fp16``: the gradient scaler's ``state_dict`` (scale, growth tracker), the same
+    on every rank and stage; a resume without it would restart from the initial scale."""
     val_losses: list[float] = field(default_factory=list)
     """``--val-data``: the validation loss after each completed epoch (empty without it)."""
     val_accuracy: list[float | None] = field(default_factory=list)
@@ -82,6 +85,13 @@ def resume_rng(saved: dict[str, Any] | None, seed: int, rank: int, epochs_comple
         set_rng_state(saved)
     else:
         torch.manual_seed(rank_seed(seed, rank, epochs_completed))
+
+
+def restore_scaler(scaler: torch.amp.GradScaler | None, state: TrainState) -> None:
+    """A resumed fp16 run continues from the saved loss scale, not the initial one (a checkpoint
+    without one, from before --precision, leaves the scaler as built)."""
+    if scaler is not None and state.scaler is not None:
+        scaler.load_state_dict(state.scaler)
 
 
 def write_checkpoint(directory: storage.Target, state: TrainState) -> None:
@@ -155,7 +165,8 @@ def slice_state(state: TrainState, keys: set[str], index: int, num_parts: int) -
                  "param_groups": params}
     saved = saved_rng(state, index, num_parts)
     return TrainState({k: v for k, v in state.model.items() if k in keys}, optimizer, state.epochs_completed,
-                      state.losses, [saved] if saved is not None else [], state.step, state.step_losses)
+                      state.losses, [saved] if saved is not None else [], state.step, state.step_losses,
+                      scaler=state.scaler)
 
 
 def prune_checkpoints(run_dir: storage.Target, num_to_keep: int) -> None:

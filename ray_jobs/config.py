@@ -17,6 +17,7 @@ OPTIMIZERS = ("sgd", "adamw")
 TASKS = ("auto", "regression", "classification")
 INGESTS = ("auto", "memory", "stream")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 # The --help sections, in this order; the README's flag reference uses the same ones.
@@ -71,6 +72,9 @@ class TrainConfig:
     seed: int = field(default=0, metadata=flag_doc("seeds initial weights and the epoch shuffles", "training"))
     shuffle: bool = field(default=True, metadata=flag_doc(
         "visit rows in file order instead of a seeded shuffle", "training", "shuffled"))
+    precision: str = field(default="fp32", metadata=flag_doc(
+        "autocast dtype of the forward and loss; weights, gradients and optimizer state stay float32 "
+        "(fp16: GPUs only, with a gradient scaler)", "training", choices=PRECISIONS))
     # checkpoints
     checkpoint_every: int = field(default=1, metadata=flag_doc(
         "checkpoint every N epochs (and always at the end)", "checkpoints"))
@@ -107,6 +111,7 @@ class TrainConfig:
         require_choice(self.optimizer, OPTIMIZERS, "optimizer")
         require_choice(self.task, TASKS, "task")
         require_choice(self.ingest, INGESTS, "ingest")
+        require_choice(self.precision, PRECISIONS, "precision")
         for flag in ("shuffle_window_rows", "memory_ingest_limit_mb"):
             require(getattr(self, flag) > 0, flag, getattr(self, flag), "positive")
         require(self.checkpoint_every_steps >= 0, "checkpoint_every_steps", self.checkpoint_every_steps, "zero or more")
@@ -214,6 +219,7 @@ class WorkerScaling:
         if self.elastic and cfg.max_failures < 1:
             raise ValueError(f"--min-workers {self.min_workers} needs --max-failures of at least 1: resuming on "
                              "fewer workers after a loss is one of the run's retries")
+        require_gpu_for_fp16(cfg, self.use_gpu, "--use-gpu")
 
     @property
     def elastic(self) -> bool:
@@ -235,6 +241,13 @@ def require(ok: bool, flag: str, value: Any, what: str) -> None:
 def require_choice(value: str, choices: tuple[str, ...] | list[str], flag: str) -> None:
     if value not in choices:
         raise ValueError(f"--{flag.replace('_', '-')} {value!r} is unknown; valid: {', '.join(choices)}")
+
+
+def require_gpu_for_fp16(cfg: TrainConfig, on_gpu: bool, flag: str) -> None:
+    """float16's narrow range needs a gradient scaler, a GPU recipe; bfloat16 has float32's range
+    and runs on CPUs too."""
+    if cfg.precision == "fp16" and not on_gpu:
+        raise ValueError(f"--precision fp16 needs GPUs ({flag}); on CPUs use --precision bf16")
 
 
 def require_divisible(batch_size: int, parts: int, flag: str) -> None:

@@ -19,8 +19,9 @@ from ray_jobs.train_workers import run_workers
 from ray_jobs.training import warn_not_reproducible
 
 
-def wrap_ddp(model: nn.Module, device: torch.device, sync_batchnorm: bool = False) -> nn.Module:
-    """Move to the worker's device and wrap in DDP (a no-op wrap for a single worker)."""
+def wrap_ddp(model: nn.Module, device: torch.device, precision: str = "fp32", sync_batchnorm: bool = False) -> nn.Module:
+    """Move to the worker's device and wrap in DDP (a no-op wrap for a single worker); autocast
+    is the train step's (``precision``: every wrap takes it, DataParallel needs it)."""
     if sync_batchnorm:
         # Replaces each BatchNorm below the root, keeping its parameter and buffer tensors, so the
         # optimizer and the checkpoints (which hold the unwrapped model) see the same ones.

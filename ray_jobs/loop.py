@@ -27,12 +27,14 @@ from ray_jobs.checkpoint import (
     latest_checkpoint,
     load_named_optimizer_state,
     named_optimizer_state,
-    resume_rng,
+    restore_scaler,
     rng_state,
+    resume_rng,
     saved_rng,
     write_checkpoint,
 )
 from ray_jobs.config import TrainConfig
+from ray_jobs.devices import prefetched
 from ray_jobs.errors import described
 from ray_jobs.readings import cpu_times, peak_rss_bytes, steal_fraction
 from ray_jobs.runner import hold, record_failure
@@ -41,6 +43,7 @@ from ray_jobs.train_log import TrainLog
 from ray_jobs.training import (
     build_optimizer,
     global_batches,
+    grad_scaler,
     loss_function,
     make_model,
     non_finite_loss,
@@ -59,7 +62,8 @@ class LoopConfig:
     train: dict[str, Any]
     dataset: ray.ObjectRef
     initial_state: ray.ObjectRef
-    wrap: Callable[[nn.Module, torch.device], nn.Module]
+    wrap: Callable[[nn.Module, torch.device, str], nn.Module]
+    """How the strategy wraps the model on ``device`` for ``--precision``."""
     num_threads: int
     run_dir: storage.Location
     crash_at_epoch: int | None = None
@@ -93,12 +97,13 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
     model.load_state_dict(ray.get(loop.initial_state))
     model.to(device)
     optimizer = build_optimizer(model.parameters(), cfg)
+    scaler = grad_scaler(cfg.precision, device)
     torch.manual_seed(rank_seed(cfg.seed, ctx.get_world_rank()))  # this rank's dropout draws
-    start = _restore(loop.run_dir, model, optimizer, cfg.seed, ctx.get_world_rank(), ctx.get_world_size())
+    start = _restore(loop.run_dir, model, optimizer, scaler, cfg.seed, ctx.get_world_rank(), ctx.get_world_size())
     if start is not None and ctx.get_world_rank() == 0:
         at = f"epoch {start.epochs_completed}" + (f", step {start.step}" if start.step else "")
         print(f"[raypar] resuming from the checkpoint after {at} on {ctx.get_world_size()} worker(s)", flush=True)
-    worker = _Worker(loop, cfg, dataset, device, model, optimizer, ctx, start)
+    worker = _Worker(loop, cfg, dataset, device, model, optimizer, scaler, ctx, start)
     for epoch in range(start.epochs_completed if start else 0, cfg.epochs):
         resuming = start is not None and epoch == start.epochs_completed
         first_step, done = (start.step, list(start.step_losses)) if resuming else (0, [])
@@ -119,9 +124,11 @@ class _Worker:
     reports."""
 
     def __init__(self, loop: LoopConfig, cfg: TrainConfig, dataset, device: torch.device, model: nn.Module,
-                 optimizer: torch.optim.Optimizer, ctx, start: TrainState | None) -> None:
+                 optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, ctx,
+                 start: TrainState | None) -> None:
         self.loop, self.cfg, self.dataset, self.device = loop, cfg, dataset, device
-        self.model, self.wrapped, self.optimizer = model, loop.wrap(model, device), optimizer
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.wrapped = loop.wrap(model, device, cfg.precision)
         self.loss_fn = loss_function(dataset.task)
         self.world_rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
         self.source = open_source(dataset, loop.reader, cfg.seed, cfg.shuffle, device)
@@ -149,12 +156,12 @@ class _Worker:
         batches = global_batches(epoch_indices(self.dataset, cfg.seed, epoch, cfg.shuffle), cfg.batch_size)
         step_losses = torch.zeros(len(batches) - first_step, device=self.device)
         weight = shard_weight(cfg.batch_size, self.world_size, self.world_rank)
-        for index, batch in enumerate(batches[first_step:]):
-            if self.first_step_at is None:
-                self.first_step_at = time.time()
-            features, targets = self.source.rows(shard(batch, self.world_size, self.world_rank))
-            features, targets = features.to(self.device), targets.to(self.device)
-            step_losses[index] = train_step(self.wrapped, self.optimizer, self.loss_fn, features, targets, weight)
+        if self.first_step_at is None:
+            self.first_step_at = time.time()
+        mine = (self.source.rows(shard(batch, self.world_size, self.world_rank)) for batch in batches[first_step:])
+        for index, (features, targets) in enumerate(prefetched(mine, self.device)):
+            step_losses[index] = train_step(self.wrapped, self.optimizer, self.loss_fn, features, targets,
+                                            weight, precision=cfg.precision, scaler=self.scaler)
             step = first_step + index + 1
             if crash and self.world_rank == 0 and step - 1 == self.loop.crash_at_step:
                 _crash()
@@ -222,18 +229,20 @@ class _Worker:
             # No copy: the checkpoint is written before the next step changes these tensors.
             state = TrainState(self.weights(), named_optimizer_state(self.optimizer, dict(self.model.named_parameters())),
                                epochs_completed, list(self.losses), rngs, step, step_losses,
-                               self.report["world_sizes"], val_losses=list(self.val_losses),
-                               val_accuracy=list(self.val_accuracy))
+                               world_sizes=self.report["world_sizes"],
+                               scaler=self.scaler.state_dict() if self.scaler else None,
+                               val_losses=list(self.val_losses), val_accuracy=list(self.val_accuracy))
         _report({**self.report, "step": step}, state)
 
 
-def _restore(run_dir: storage.Location, model: nn.Module, optimizer: torch.optim.Optimizer, seed: int,
-             world_rank: int, world_size: int) -> TrainState | None:
+def _restore(run_dir: storage.Location, model: nn.Module, optimizer: torch.optim.Optimizer,
+             scaler: torch.amp.GradScaler | None, seed: int, world_rank: int, world_size: int) -> TrainState | None:
     state = latest_checkpoint(run_dir)
     if state is None:
         return None
     model.load_state_dict(state.model)
     load_named_optimizer_state(optimizer, dict(model.named_parameters()), state.optimizer)
+    restore_scaler(scaler, state)
     resume_rng(saved_rng(state, world_rank, world_size), seed, world_rank, state.epochs_completed)
     return state
 

@@ -21,10 +21,19 @@ from models import build_model, is_user_model, split_into_stages
 from ray_jobs import interrupts, storage
 from ray_jobs.checkpoint import TrainState, checkpoint_name, latest_checkpoint, prune_checkpoints, write_checkpoint
 from ray_jobs.cli import entry_point, exit_process
-from ray_jobs.config import PLACEMENT_STRATEGIES, TrainConfig, flag_doc, require, require_choice, require_divisible
+from ray_jobs.config import (
+    PLACEMENT_STRATEGIES,
+    TrainConfig,
+    flag_doc,
+    require,
+    require_choice,
+    require_divisible,
+    require_gpu_for_fp16,
+)
+from ray_jobs.devices import gpu_sharing
 from ray_jobs.errors import TrainingFailed, root_cause
 from ray_jobs.pipeline_timing import PipelineTiming
-from ray_jobs.preflight import wait_for_bundles
+from ray_jobs.preflight import Request, wait_for_bundles
 from ray_jobs.runner import PreparedRun, finish, hold, record_failure
 from ray_jobs.schedules import SCHEDULES
 from ray_jobs.stage import stage_keys
@@ -51,7 +60,10 @@ class PipelineScaling:
     num_stages: int = field(default=2, metadata=flag_doc("pipeline stages, one Ray actor (and GPU) each", "pipeline"))
     num_microbatches: int = field(default=4, metadata=flag_doc("micro-batches per global batch", "pipeline"))
     schedule: str = field(default="1f1b", metadata=flag_doc("micro-batch schedule", "pipeline", choices=sorted(SCHEDULES)))
-    use_gpu: bool = field(default=False, metadata=flag_doc("one GPU per stage", default_text="CPU"))
+    use_gpu: bool = field(default=False, metadata=flag_doc("give each stage GPUs (--gpus-per-stage)", default_text="CPU"))
+    gpus_per_stage: float = field(default=1.0, metadata=flag_doc(
+        "GPUs per stage with --use-gpu; a fraction lets small stages share one GPU (then over p2p or actor_calls, "
+        "not nccl)"))
     cpus_per_stage: float = field(default=1.0, metadata=flag_doc("CPUs per stage actor; also its torch threads"))
     placement_strategy: str = field(
         default="PACK", metadata=flag_doc("PACK keeps neighbouring stages on one node", choices=PLACEMENT_STRATEGIES)
@@ -81,12 +93,24 @@ class PipelineScaling:
         require(self.num_stages >= 1, "num_stages", self.num_stages, "at least 1")
         require(self.num_microbatches >= 1, "num_microbatches", self.num_microbatches, "at least 1")
         require(self.cpus_per_stage > 0, "cpus_per_stage", self.cpus_per_stage, "positive")
+        require(self.gpus_per_stage > 0, "gpus_per_stage", self.gpus_per_stage, "positive")
+        if self.gpus_per_stage != 1.0 and not self.use_gpu:
+            raise ValueError("--gpus-per-stage needs --use-gpu")
         require_choice(self.schedule, sorted(SCHEDULES), "schedule")
         require_choice(self.placement_strategy, PLACEMENT_STRATEGIES, "placement_strategy")
 
     def check(self, cfg: TrainConfig) -> None:
         """Checks that need both configs, run before Ray is touched."""
         require_divisible(cfg.batch_size, self.num_microbatches, "--num-microbatches")
+        require_gpu_for_fp16(cfg, self.use_gpu, "--use-gpu")
+        if cfg.precision == "fp16" and self.transport not in ("auto", "p2p"):
+            raise ValueError(f"--precision fp16 on the pipeline needs --transport p2p, not {self.transport}: its "
+                             "stages skip an overflowing step together by agreeing over p2p's process group")
+        shared = self.shared_gpus
+        if shared and self.transport == "compiled":
+            raise ValueError(f"--transport compiled cannot connect stages that share a GPU ({shared}; nccl "
+                             "refuses two ranks on one device): use --transport p2p or actor_calls, or "
+                             "--gpus-per-stage 1")
         # A registered model's layer count does not depend on the data's widths, so any widths tell
         # whether S fits; a user's model may need its real widths: it is cut once the data is read.
         if not is_user_model(cfg.model):
@@ -97,8 +121,17 @@ class PipelineScaling:
         return stage_keys(prepared.cfg, prepared.dataset, self.num_stages, prepared.model_factory)
 
     @property
+    def gpus_each(self) -> float | None:
+        return self.gpus_per_stage if self.use_gpu else None
+
+    @property
+    def shared_gpus(self) -> str | None:
+        """Why two stages may share a GPU (``devices.gpu_sharing``), or None."""
+        return gpu_sharing(self.num_stages, self.gpus_each, what="--num-stages", flag="--gpus-per-stage")
+
+    @property
     def bundles(self) -> list[dict[str, float]]:
-        bundle = {"CPU": self.cpus_per_stage, **({"GPU": 1.0} if self.use_gpu else {})}
+        bundle = {"CPU": self.cpus_per_stage, **({"GPU": self.gpus_per_stage} if self.use_gpu else {})}
         return [dict(bundle) for _ in range(self.num_stages)]
 
 
@@ -182,7 +215,7 @@ def _validate(stages: StageGroup, prepared: PreparedRun, state: TrainState) -> V
     checkpoint gathers them): the same chunks, so the same result, as the data-parallel workers."""
     if prepared.val_dataset is None:
         return None
-    state.model, state.optimizer, state.rng = stages.gather_state()
+    state.model, state.optimizer, state.rng, state.scaler = stages.gather_state()
     with torch.device("meta"):
         model = make_model(prepared.cfg, prepared.dataset, prepared.model_factory)
     model.load_state_dict(state.model, assign=True)  # the gathered tensors themselves: no second copy
@@ -202,7 +235,7 @@ def _segments(first: int, total: int, every: int) -> list[tuple[int, int]]:
 def _checkpoint(stages: StageGroup, prepared: PreparedRun, state: TrainState, gathered: bool = False) -> None:
     """``gathered``: ``state`` already holds the stages' state as of now."""
     if not gathered:
-        state.model, state.optimizer, state.rng = stages.gather_state()
+        state.model, state.optimizer, state.rng, state.scaler = stages.gather_state()
     write_checkpoint(storage.join(prepared.run_dir, checkpoint_name(state.epochs_completed, state.step)), state)
     prune_checkpoints(prepared.run_dir, prepared.cfg.num_checkpoints_to_keep)
 
@@ -245,8 +278,8 @@ def run(prepared: PreparedRun, scaling: PipelineScaling, crash_at_start: bool = 
     if scaling.num_microbatches < scaling.num_stages:
         warnings.warn(f"--num-microbatches {scaling.num_microbatches} < --num-stages {scaling.num_stages}: "
                       "the pipeline can never fill, some stages always idle", stacklevel=2)
-    wait_for_bundles(scaling.bundles, scaling.placement_strategy, f"--num-stages {scaling.num_stages}",
-                     cfg.resource_timeout)
+    request = Request("--num-stages", scaling.num_stages, {"CPU": "--cpus-per-stage", "GPU": "--gpus-per-stage"})
+    wait_for_bundles(scaling.bundles, scaling.placement_strategy, request, cfg.resource_timeout)
     with stream_reader(prepared) as reader:
         return _attempts(prepared, scaling, keys, reader, crash_at_start, faults)
 

@@ -149,6 +149,7 @@ def finish(
         ingest=dataset.ingest,
         bytes_read=metrics.get("bytes_read", dataset.file_bytes if dataset.ingest == "memory" else None),
         data_wait_fraction=metrics.get("data_wait_fraction"),
+        precision=cfg.precision,
         task=dataset.task,
         **validation_summary(prepared, final),
         extra=extra or {},

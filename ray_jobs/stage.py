@@ -19,13 +19,21 @@ import torch
 import torch.distributed as dist
 
 from models import split_into_stages
-from ray_jobs.checkpoint import TrainState, load_named_optimizer_state, named_optimizer_state, resume_rng, rng_state
+from ray_jobs.checkpoint import (
+    TrainState,
+    load_named_optimizer_state,
+    named_optimizer_state,
+    restore_scaler,
+    resume_rng,
+    rng_state,
+)
 from ray_jobs.config import TrainConfig
+from ray_jobs.devices import to_device
 from ray_jobs.errors import described
 from ray_jobs.readings import peak_rss_bytes
 from ray_jobs.schedules import FORWARD, SCHEDULES, peak_live_activations
 from ray_jobs.stream import open_source
-from ray_jobs.training import build_optimizer, loss_function, make_model, microbatches, rank_seed
+from ray_jobs.training import autocast, build_optimizer, grad_scaler, loss_function, make_model, microbatches, rank_seed
 
 # Receives posted ahead of need (p2p transport), at least; see ``receives_ahead``.
 MIN_RECEIVES_AHEAD = 2
@@ -64,7 +72,7 @@ class StageWorker:
         # With a GPU-to-GPU channel (compiled graph + nccl) tensors stay on the device;
         # otherwise they cross process boundaries as CPU tensors.
         self.device_transport = device_transport
-        self.stage_index, self.num_stages, self.seed = stage_index, num_stages, cfg.seed
+        self.stage_index, self.num_stages, self.seed, self.precision = stage_index, num_stages, cfg.seed, cfg.precision
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.num_microbatches = num_microbatches
         stages = meta_stages(cfg, dataset, num_stages, model_factory)
@@ -74,6 +82,11 @@ class StageWorker:
         self.module = stages[stage_index].to_empty(device=self.device)
         self.module.load_state_dict(initial_slice)
         self.optimizer = build_optimizer(self.module.parameters(), cfg)
+        self.scaler = grad_scaler(cfg.precision, self.device)
+        if self.scaler is not None:
+            # GradScaler makes its scale tensor on its first scale(); a stage before the last never
+            # scales a loss, yet unscales its gradients by the same scale.
+            self.scaler.scale(torch.zeros((), device=self.device))
         self.loss_fn = loss_function(dataset.task)
         # Rows by the driver's indices (row indices in memory, stream indices when streaming).
         self.source = open_source(dataset, reader, cfg.seed, cfg.shuffle, torch.device("cpu"))
@@ -92,9 +105,10 @@ class StageWorker:
             raise RuntimeError("injected fault")
         x, target = self._inputs(rows, activation)
         began = time.perf_counter()
-        out = self.module(x)
+        with autocast(self.precision, self.device):  # the forward and the loss, as train_step
+            out = self.module(x)
+            loss = self.loss_fn(out, target) if self.is_last else None
         if self.is_last:
-            loss = self.loss_fn(out, target)
             self.loss_sum += loss.detach().cpu()
             # Divide by num_microbatches so the accumulated gradient is the global-batch mean.
             out = loss / self.num_microbatches
@@ -110,7 +124,7 @@ class StageWorker:
         began = time.perf_counter()
         x, out = self.alive.pop(microbatch)
         if self.is_last:
-            out.backward()
+            (out if self.scaler is None else self.scaler.scale(out)).backward()
         else:
             out.backward(grad.to(self.device))
         self._record_op(began)
@@ -124,8 +138,8 @@ class StageWorker:
             waited = self.source.wait_s
             features, targets = self.source.rows(rows)
             self.timing["data_wait_s"] += self.source.wait_s - waited
-        x = features.to(self.device) if self.is_first else activation.to(self.device).requires_grad_()
-        return x, targets.to(self.device) if self.is_last else None
+        x = to_device(features, self.device) if self.is_first else activation.to(self.device).requires_grad_()
+        return x, to_device(targets, self.device) if self.is_last else None
 
     def _record_op(self, began: float) -> None:
         seconds = time.perf_counter() - began
@@ -133,7 +147,10 @@ class StageWorker:
         self.timing["op_seconds"].append(seconds)
 
     def _send(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if self.device_transport else tensor.cpu()
+        """Through host memory as float32, the dtype the p2p receiver's buffer is allocated in:
+        a bf16/fp16 activation is exact in float32, and the next stage's autocast casts it back
+        to the same values (its gradient, cast back the same way, too); fp32 is not copied."""
+        return tensor if self.device_transport else tensor.to("cpu", torch.float32)
 
     @_described
     def step(self, *_dependencies) -> float:
@@ -141,13 +158,31 @@ class StageWorker:
         if self.alive:
             raise RuntimeError(f"step with micro-batches {sorted(self.alive)} still waiting for backward")
         began = time.perf_counter()
-        self.optimizer.step()
+        if self.scaler is None:
+            self.optimizer.step()
+        else:
+            self._scaled_step()
         self.optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - began
         self.timing["optimizer_s"] += seconds
         self.timing["step_seconds"].append(seconds)
         loss, self.loss_sum = self.loss_sum.item() / self.num_microbatches, torch.zeros(())
         return loss
+
+    def _scaled_step(self) -> None:
+        """fp16: skip the step on every stage, and lower every stage's scale, when any stage's
+        gradients overflowed, as one GradScaler over the whole model would. Each stage's scaler
+        sees only its own gradients (an overflow in a weight gradient upstream leaves the later
+        stages' finite), so the stages share whether any overflowed over the p2p group."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        mine = overflowed(grads)
+        anywhere = torch.tensor([float(mine)])
+        if dist.is_initialized():
+            self._gloo(CALLS, dist.all_reduce, anywhere, op=dist.ReduceOp.MAX)
+        if anywhere.item() and not mine and grads:
+            mark_overflow(grads)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
 
     # --- p2p transport: torch.distributed send/recv between the stage actors themselves ---
 
@@ -241,16 +276,19 @@ class StageWorker:
         timing, self.timing = self.timing, _new_timing()
         return timing
 
-    def state(self) -> tuple[dict[str, torch.Tensor], dict, dict[str, Any]]:
-        """This stage's weights, optimizer state and RNG state; Ray copies them out as it sends them."""
+    def state(self) -> tuple[dict[str, torch.Tensor], dict, dict[str, Any], dict | None]:
+        """This stage's weights, optimizer state, RNG state and fp16 scaler state (the same on every
+        stage); Ray copies them out as it sends them."""
         weights = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
-        return weights, named_optimizer_state(self.optimizer, dict(self.module.named_parameters())), rng_state()
+        optimizer = named_optimizer_state(self.optimizer, dict(self.module.named_parameters()))
+        return weights, optimizer, rng_state(), self.scaler.state_dict() if self.scaler else None
 
     @_described
     def restore(self, state: TrainState) -> None:
         """Restore this stage's slice of a checkpoint (``slice_state``)."""
         self.module.load_state_dict(state.model)
         load_named_optimizer_state(self.optimizer, dict(self.module.named_parameters()), state.optimizer)
+        restore_scaler(self.scaler, state)
         resume_rng(state.rng[0] if state.rng else None, self.seed, self.stage_index, state.epochs_completed)
 
     def peak_memory(self) -> dict[str, int | None]:
@@ -265,6 +303,18 @@ class StageWorker:
     def fail_next_forward(self) -> None:
         """Fault injection for tests: the next forward raises, as a bug or a bad input would."""
         self.fail_forward = True
+
+
+def overflowed(grads: list[torch.Tensor]) -> bool:
+    """Whether any of ``grads`` holds an inf or NaN (one device sync for all of them)."""
+    return bool(grads) and not torch.stack([torch.isfinite(grad).all() for grad in grads]).all().item()
+
+
+def mark_overflow(grads: list[torch.Tensor]) -> None:
+    """Make this stage's GradScaler find the overflow another stage found: one inf in a gradient
+    it is about to unscale. Its public step() then skips and its update() backs off, exactly as
+    for an overflow of its own, so the stages' scales never drift apart."""
+    grads[0].view(-1)[0] = float("inf")
 
 
 def meta_stages(cfg: TrainConfig, dataset, num_stages: int, model_factory=None) -> list[torch.nn.Module]:

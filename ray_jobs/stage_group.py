@@ -50,7 +50,7 @@ class StageGroup:
         if not ready:
             raise StartFailed(f"the {scaling.num_stages} stage bundles {scaling.bundles[0]} were not placed "
                               f"within --resource-timeout {timeout:g} s ({scaling.placement_strategy})")
-        requested = resolve_transport(scaling, _bundle_nodes(self.group))
+        requested = resolve_transport(scaling, _bundle_nodes(self.group), prepared.cfg.precision)
         device_transport = scaling.use_gpu and requested == "compiled"
         dataset = ray.put(prepared.dataset)
         self.actors = [self._start(index, prepared, dataset, {k: prepared.initial_state[k] for k in self.keys[index]},
@@ -66,7 +66,7 @@ class StageGroup:
     def _start(self, index: int, prepared: PreparedRun, dataset, initial_slice: dict, device_transport: bool):
         options = dict(
             num_cpus=self.scaling.cpus_per_stage,
-            num_gpus=1 if self.scaling.use_gpu else 0,
+            num_gpus=self.scaling.gpus_each or 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index),
         )
         actor_cls = ray.remote(StageWorker).options(**options)
@@ -76,12 +76,13 @@ class StageGroup:
             self.reader, prepared.model_factory,
         )
 
-    def gather_state(self) -> tuple[dict, dict, list]:
-        """The unsplit model's weights and optimizer state from every stage's slice, and each
-        stage's RNG state."""
+    def gather_state(self) -> tuple[dict, dict, list, dict | None]:
+        """The unsplit model's weights and optimizer state from every stage's slice, each stage's
+        RNG state, and the fp16 scaler's state (the stages keep one scale: stage 0's)."""
         parts = ray.get([actor.state.remote() for actor in self.actors])
-        weights = {k: v for stage_weights, _, _ in parts for k, v in stage_weights.items()}
-        return weights, merge_named_optimizer_states([optimizer for _, optimizer, _ in parts]), [rng for *_, rng in parts]
+        weights = {k: v for stage_weights, *_ in parts for k, v in stage_weights.items()}
+        optimizer = merge_named_optimizer_states([optimizer for _, optimizer, *_ in parts])
+        return weights, optimizer, [rng for _, _, rng, _ in parts], parts[0][3]
 
     def take_timing(self) -> list[dict[str, float]]:
         return ray.get([actor.take_timing.remote() for actor in self.actors])

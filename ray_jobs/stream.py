@@ -31,6 +31,7 @@ import torch
 
 from ray_jobs.checkpoint import latest_progress
 from ray_jobs.data import Dataset, parquet_files, stored_num_classes, table_to_dataset
+from ray_jobs.devices import data_device
 from ray_jobs.errors import Failure
 from ray_jobs.storage import resolve
 from ray_jobs.training import epoch_order, stream_windows, window_permutation
@@ -332,13 +333,13 @@ def epoch_indices(dataset, seed: int, epoch: int, shuffle: bool) -> torch.Tensor
 
 class MemorySource:
     """Rows of a dataset held in memory (shared from the object store, or copied to the device
-    once), by row index."""
+    once when they fit there), by row index."""
 
     wait_s = 0.0  # rows in memory are always there
 
     def __init__(self, dataset: Dataset, device: torch.device) -> None:
-        self.device = device
-        self.features, self.targets = (tensor.to(device) for tensor in dataset.tensors())
+        self.device = data_device(dataset.features.nbytes + dataset.targets.nbytes, device)
+        self.features, self.targets = (tensor.to(self.device) for tensor in dataset.tensors())
 
     def rows(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         indices = indices.to(self.device)

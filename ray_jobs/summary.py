@@ -26,6 +26,8 @@ class TrainSummary:
     data_wait_fraction: float | None = None
     """Share of the training loop's time spent blocked until rows arrived from the stream's reader
     (world rank 0's; the stages' share of their time in a pipeline); 0 in memory."""
+    precision: str = "fp32"
+    """``--precision``: the autocast dtype of the forward and loss (weights stay float32)."""
     task: str | None = None
     """``regression`` or ``classification``, as the data decided it (``predict`` needs it)."""
     val_losses: list[float] | None = None
@@ -65,6 +67,7 @@ class TrainSummary:
             ("first / last loss", f"{self.losses[0]:.6f} / {self.losses[-1]:.6f}" if self.losses else "-"),
             *self._validation_rows(),
             ("samples/s", f"{self.samples_per_second:,.0f}" if self.samples_per_second else "-"),
+            ("precision", self.precision),
             ("resumed from epoch", self._resumed()),
             ("ingest", f"{self.ingest}, data wait {self.data_wait_fraction:.1%}" if self.data_wait_fraction
              is not None else self.ingest),

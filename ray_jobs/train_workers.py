@@ -14,16 +14,17 @@ from dataclasses import asdict
 import ray
 import torch
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
+from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2.api.config import LoggingConfig
 from torch import nn
 
 from ray_jobs import interrupts, storage
 from ray_jobs.checkpoint import latest_checkpoint
 from ray_jobs.config import WorkerScaling
+from ray_jobs.devices import gpu_sharing
 from ray_jobs.errors import TrainingFailed, root_cause
 from ray_jobs.loop import LoopConfig, train_loop_per_worker
-from ray_jobs.preflight import wait_for_bundles
+from ray_jobs.preflight import Request, wait_for_bundles
 from ray_jobs.runner import PreparedRun, finish, recorded_failure
 from ray_jobs.session import WORKER_ENV
 from ray_jobs.stream import reader_stats, stream_reader
@@ -42,7 +43,7 @@ CONTROLLER_POLL_VARIABLE = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 def run_workers(
     prepared: PreparedRun,
     scaling: WorkerScaling,
-    wrap: Callable[[nn.Module, torch.device], nn.Module],
+    wrap: Callable[[nn.Module, torch.device, str], nn.Module],
     **faults,
 ) -> TrainSummary:
     """Train ``prepared`` with ``scaling.num_workers`` Ray Train workers; Ray must be connected.
@@ -53,7 +54,8 @@ def run_workers(
     num_workers, flag = (scaling.min_workers, "--min-workers") if scaling.elastic else (scaling.num_workers,
                                                                                         "--num-workers")
     bundles = [scaling.resources_per_worker] * num_workers
-    wait_for_bundles(bundles, scaling.placement_strategy, f"{flag} {num_workers}", cfg.resource_timeout)
+    wait_for_bundles(bundles, scaling.placement_strategy, _request(prepared.strategy, flag, num_workers),
+                     cfg.resource_timeout)
     with stream_reader(prepared) as reader:
         return _fit(prepared, scaling, wrap, reader, faults)
 
@@ -75,6 +77,7 @@ def _fit(prepared: PreparedRun, scaling: WorkerScaling, wrap, reader, faults: di
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config=vars(loop),
+        torch_config=_process_group(scaling),
         scaling_config=ScalingConfig(
             num_workers=(scaling.min_workers, scaling.num_workers) if scaling.elastic else scaling.num_workers,
             use_gpu=scaling.use_gpu,
@@ -109,6 +112,28 @@ def _fit(prepared: PreparedRun, scaling: WorkerScaling, wrap, reader, faults: di
     extra["world_sizes"] = final.world_sizes or None
     world_size = final.world_sizes[-1]["num_workers"] if final.world_sizes else scaling.num_workers
     return finish(prepared, final, metrics, world_size, {"scaling": asdict(scaling)}, extra)
+
+
+def _process_group(scaling: WorkerScaling) -> TorchConfig:
+    """Ray Train's default (nccl on GPUs, gloo on CPUs), except for workers that may share a GPU:
+    gloo, said on one line. Not a refusal: fractional GPUs are how Ray packs small workers onto
+    one device, a user asking for them wants that run, and gloo all-reduces the same float32
+    gradients (the same model) through host memory, where nccl fails only after the workers
+    started (57 s, measured) with "Duplicate GPU detected"."""
+    largest = max((node["Resources"].get("GPU", 0.0) for node in ray.nodes() if node.get("Alive")), default=0.0)
+    shared = gpu_sharing(scaling.num_workers, scaling.resources_per_worker.get("GPU"), largest)
+    if not shared:
+        return TorchConfig()
+    print(f"[raypar] {shared}; nccl cannot run two ranks on one GPU, so the workers all-reduce over gloo "
+          "(through host memory, slower; --gpus-per-worker 1 gives each its own GPU and nccl)", flush=True)
+    return TorchConfig(backend="gloo")
+
+
+def _request(strategy: str, flag: str, num_workers: int) -> Request:
+    """The flags a preflight refusal can name: DataParallel's one worker takes its GPUs by --gpus."""
+    if strategy == "dp":
+        return Request("", 1, {"CPU": "--cpus-per-worker", "GPU": "--gpus"})
+    return Request(flag, num_workers, {"CPU": "--cpus-per-worker", "GPU": "--gpus-per-worker"})
 
 
 def _storage_options(storage_path: str) -> dict:

@@ -5,6 +5,7 @@ batch a worker or stage sees, and how gradients are combined.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import warnings
@@ -170,18 +171,45 @@ def load_state_dict_file(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """Where the forward and the loss run: in ``--precision``'s dtype under autocast, or as they
+    are (fp32: no autocast at all, so fp32 runs are bit-identical to runs before the flag).
+    Parameters stay float32, so their gradients and the optimizer state do too; DDP all-reduces
+    those float32 gradients."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision])
+
+
+def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | None:
+    """fp16's loss scaler (its small range would flush small gradients to zero); None otherwise.
+    Its state (scale, growth tracker) belongs in the checkpoint."""
+    return torch.amp.GradScaler(device.type) if precision == "fp16" else None
+
+
 def train_step(
     model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module, x: torch.Tensor, y: torch.Tensor,
-    weight: float = 1.0,
+    weight: float = 1.0, *, precision: str = "fp32", scaler: torch.amp.GradScaler | None = None,
 ) -> torch.Tensor:
     """One optimizer step on one (shard of a) global batch; returns the detached loss, scaled by
-    ``weight`` (``shard_weight``: an uneven slice's share of the global batch)."""
+    ``weight`` (``shard_weight``: an uneven slice's share of the global batch). With a ``scaler``
+    (fp16), a step whose gradients overflowed is skipped and the scale lowered, as ``GradScaler``
+    does: every DDP rank sees the same all-reduced gradients, so all skip together."""
     optimizer.zero_grad(set_to_none=True)
-    loss = loss_fn(model(x), y)
+    with autocast(precision, x.device):
+        loss = loss_fn(model(x), y)
     if weight != 1.0:  # skipped when even: the unscaled graph keeps results bit-identical to before
         loss = loss * weight
-    loss.backward()
-    optimizer.step()
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
     return loss.detach()
 
 

@@ -13,6 +13,7 @@ dies surfaces as one of ``STAGE_FAILURES``, a batch that never ends as ``BatchTi
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
@@ -40,14 +41,18 @@ class BatchTimeout(RuntimeError):
     """A submitted call's batches did not finish in time."""
 
 
-def resolve_transport(scaling, nodes: list[str]) -> str:
-    """``auto``: GPU stages on one node talk over nccl through a compiled graph (GPU to GPU);
-    everything else uses p2p. p2p stays on gloo even between GPUs: nccl matches sends and
+def resolve_transport(scaling, nodes: list[str], precision: str = "fp32") -> str:
+    """``auto``: GPU stages on one node, each on its own GPU, talk over nccl through a compiled
+    graph (GPU to GPU); everything else uses p2p. p2p stays on gloo even between GPUs: nccl matches sends and
     receives by order, not tag, and a stage's interleaved sends and early-posted receives
     could then wait on each other; through host memory they cannot."""
     if scaling.transport != "auto":
         return scaling.transport
-    return "compiled" if scaling.use_gpu and len(set(nodes)) == 1 else "p2p"
+    # Stages that may share a GPU cannot be nccl peers: p2p (gloo) carries them. fp16's stages
+    # agree on skipping overflowing steps over p2p's process group, which only p2p has.
+    one_node = len(set(nodes)) == 1
+    nccl = scaling.use_gpu and one_node and not scaling.shared_gpus and precision != "fp16"
+    return "compiled" if nccl else "p2p"
 
 
 def connect(requested: str, actors: list, nodes: list[str], scaling, device_transport: bool):
@@ -189,8 +194,25 @@ def get_failing_fast(refs: list, timeout_s: float) -> list:
         ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             raise GetTimeoutError(f"{len(waiting)} stage results still missing after {timeout_s:g} s")
-        ray.get(ready)
+        try:
+            ray.get(ready)
+        except Exception:
+            _take_errors(waiting)
+            raise
     return ray.get(refs)
+
+
+# How long a failed call waits for the other stages' calls to fail too. Their errors (a lost peer,
+# seen at once by gloo) are then taken here: an error Ray finds unread when its reference goes
+# prints a traceback ("Unhandled error") after the run has already said what happened.
+DRAIN_S = 2.0
+
+
+def _take_errors(refs: list) -> None:
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=DRAIN_S)
+    for ref in ready:
+        with contextlib.suppress(Exception):
+            ray.get(ref)
 
 
 def build_graph(actors: list, order: list, device_transport: bool) -> MultiOutputNode:

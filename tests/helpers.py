@@ -43,7 +43,8 @@ def reference_for(cfg: TrainConfig, init_state: dict | None = None):
     (``--ingest stream``) visits rows in order contract v2's order."""
     features, targets, out_features = tensors(cfg.data)
     options = {k: v for k, v in cfg.model_options.items() if v is not None}
-    keys = ("model", "epochs", "batch_size", "lr", "seed", "shuffle", "optimizer", "momentum", "weight_decay")
+    keys = ("model", "epochs", "batch_size", "lr", "seed", "shuffle", "optimizer", "momentum", "weight_decay",
+            "precision")
     orders = None
     if cfg.ingest == "stream":
         rows = block_rows(cfg.data)

@@ -27,6 +27,7 @@ def reference_train(
     weight_decay: float = 0.0,
     init_state: dict | None = None,
     epoch_orders=None,
+    precision: str = "fp32",
     **model_options,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     torch.manual_seed(seed)
@@ -38,6 +39,8 @@ def reference_train(
     else:
         opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
     loss_fn = nn.CrossEntropyLoss() if targets.dtype == torch.int64 else nn.MSELoss()
+    autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
     n = len(features)
     losses = []
     for epoch in range(epochs):
@@ -50,10 +53,19 @@ def reference_train(
         total, steps = 0.0, n // batch_size
         for step in range(steps):
             rows = order[step * batch_size : (step + 1) * batch_size]
-            loss = loss_fn(net(features[rows]), targets[rows])
+            if autocast_dtype is not None:  # the forward and loss under autocast; weights and optimizer float32
+                with torch.autocast("cpu", dtype=autocast_dtype):
+                    loss = loss_fn(net(features[rows]), targets[rows])
+            else:
+                loss = loss_fn(net(features[rows]), targets[rows])
             opt.zero_grad()
-            loss.backward()
-            opt.step()
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
             total += loss.item()
         losses.append(total / steps)
     return net.state_dict(), losses

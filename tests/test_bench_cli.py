@@ -16,7 +16,7 @@ def test_bad_suite_is_one_error_line(capsys):
         main(["--suite", "nope"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "python -m ray_jobs.bench: error: --suite 'nope' is unknown; valid: quick, full, smoke (see --help)"
+        "python -m ray_jobs.bench: error: --suite 'nope' is unknown; valid: quick, full, gpu, smoke (see --help)"
     ]
 
 

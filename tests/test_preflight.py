@@ -9,34 +9,61 @@ from ray_jobs import preflight
 from ray_jobs.preflight import ResourceError
 from ray_jobs.runner import prepare
 
-pytestmark = pytest.mark.ray
+TWO_WORKERS = preflight.Request("--num-workers", 2, {"CPU": "--cpus-per-worker", "GPU": "--gpus-per-worker"})
+STAGES = {"CPU": "--cpus-per-stage", "GPU": "--gpus-per-stage"}
+
+
+@pytest.mark.parametrize(("num_stages", "per_stage", "nodes", "strategy", "message"), [
+    (3, {"CPU": 1.0}, [{"CPU": 1.0}, {"CPU": 1.0}], "PACK",
+     "--num-stages 3 asks for 3 CPU in all; the cluster has 2 CPU (2 node(s): 2 CPU): lower --cpus-per-stage "
+     "(0.5 fits) or lower --num-stages (2 fit) or add nodes"),
+    (2, {"CPU": 4.0}, [{"CPU": 2.0}] * 4, "PACK",
+     "--num-stages 2: no single node has 4 CPU for one of them: lower --cpus-per-stage to at most 2"),
+    (2, {"CPU": 1.0}, [{"CPU": 1.0}] * 4, "STRICT_PACK",
+     "--num-stages 2 with STRICT_PACK needs 2 CPU on one node; no node has that: use --placement-strategy PACK"),
+    (2, {"CPU": 1.0, "GPU": 0.5}, [{"CPU": 8.0, "GPU": 0.0}], "PACK",
+     "asks for 1 GPU in all; the cluster has 0 GPU (1 node(s): 8 CPU, 0 GPU): add nodes that have it or drop --use-gpu"),
+])
+def test_every_refusal_names_the_flag_that_would_fix_it(num_stages, per_stage, nodes, strategy, message):
+    request = preflight.Request("--num-stages", num_stages, STAGES)
+    with pytest.raises(ResourceError) as refused:
+        preflight.check_bundles([per_stage] * num_stages, strategy, request, nodes)
+    assert message in str(refused.value)
+
+
 
 
 @pytest.mark.parametrize(
     ("scaling", "message"),
     [
-        (WorkerScaling(num_workers=2, use_gpu=True), r"--num-workers 2 asks for 2 GPU in all; the cluster has 0 GPU"),
-        (WorkerScaling(num_workers=8), r"--num-workers 8 asks for 8 CPU in all; the cluster has 4 CPU"),
+        (WorkerScaling(num_workers=2, use_gpu=True),
+         r"--num-workers 2 asks for 2 GPU in all; the cluster has 0 GPU .*: add nodes that have it or drop --use-gpu"),
+        (WorkerScaling(num_workers=8), r"--num-workers 8 asks for 8 CPU in all; the cluster has 4 CPU .*: "
+                                       r"lower --cpus-per-worker \(0.5 fits\) or lower --num-workers \(4 fit\) or add nodes"),
         (WorkerScaling(num_workers=1, cpus_per_worker=6), r"asks for 6 CPU in all; the cluster has 4 CPU"),
-        (WorkerScaling(num_workers=2, placement_strategy="STRICT_SPREAD"), r"STRICT_SPREAD needs 2 nodes; the cluster has 1"),
+        (WorkerScaling(num_workers=2, placement_strategy="STRICT_SPREAD"),
+         r"STRICT_SPREAD needs 2 nodes; the cluster has 1: use --placement-strategy SPREAD or add nodes"),
     ],
 )
+@pytest.mark.ray
 def test_impossible_requests_fail_before_fit(ray_cluster, regression_data, tmp_path, scaling, message):
     cfg = TrainConfig(data=regression_data, batch_size=16, storage_path=str(tmp_path), name="never")
     with pytest.raises(ResourceError, match=message):
         ddp.run(prepare(cfg, "ddp"), scaling)
 
 
+@pytest.mark.ray
 def test_autoscaling_cluster_waits_then_fails_with_the_same_message(ray_cluster, monkeypatch, capsys):
     # Pretend the autoscaler could add GPU nodes: the request is then worth waiting for.
     monkeypatch.setattr(preflight, "autoscaling_limits", lambda: {"CPU": 64.0, "GPU": 8.0})
     monkeypatch.setattr(preflight, "PROGRESS_EVERY_S", 0.0)
     with pytest.raises(ResourceError, match=r"asks for 2 GPU in all; the cluster has 0 GPU .*waited 2 s"):
-        preflight.wait_for_bundles([{"CPU": 1.0, "GPU": 1.0}] * 2, "PACK", "--num-workers 2", timeout_s=2)
+        preflight.wait_for_bundles([{"CPU": 1.0, "GPU": 1.0}] * 2, "PACK", TWO_WORKERS, timeout_s=2)
     assert "[raypar] waiting for the autoscaler" in capsys.readouterr().out
 
 
+@pytest.mark.ray
 def test_autoscaling_cluster_that_can_never_fit_fails_at_once(ray_cluster, monkeypatch):
     monkeypatch.setattr(preflight, "autoscaling_limits", lambda: {"CPU": 64.0, "GPU": 1.0})
     with pytest.raises(ResourceError, match="asks for 2 GPU"):
-        preflight.wait_for_bundles([{"CPU": 1.0, "GPU": 1.0}] * 2, "PACK", "--num-workers 2", timeout_s=3600)
+        preflight.wait_for_bundles([{"CPU": 1.0, "GPU": 1.0}] * 2, "PACK", TWO_WORKERS, timeout_s=3600)

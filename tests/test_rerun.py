@@ -37,6 +37,7 @@ CHANGES = {
     "weight_decay": (["--weight-decay", "0.1"], "--weight-decay 0.0 -> 0.1"),
     "seed": (["--seed", "3"], "--seed 11 -> 3"),
     "shuffle": (["--no-shuffle"], "--shuffle on -> off"),
+    "precision": (["--precision", "bf16"], "--precision fp32 -> bf16"),
     "ingest": (["--ingest", "stream"], "--ingest auto -> stream"),
     "memory_ingest_limit_mb": (["--memory-ingest-limit-mb", "10"], "--memory-ingest-limit-mb 1024.0 -> 10.0"),
     "shuffle_window_rows": (["--shuffle-window-rows", "100"], "--shuffle-window-rows 65536 -> 100"),

@@ -1,5 +1,5 @@
 """The plain-PyTorch peer the bench compares raypar with: ``torch.multiprocessing.spawn`` + gloo (or
-one process), no Ray."""
+one process), no Ray; on GPUs (``device="cuda"``), one process per GPU over nccl."""
 from __future__ import annotations
 
 import os
@@ -20,7 +20,15 @@ from models import build_model
 from ray_jobs.config import TrainConfig
 from ray_jobs.data import Dataset
 from ray_jobs.readings import cpu_times, peak_rss_bytes, steal_fraction
-from ray_jobs.training import build_optimizer, epoch_order, global_batches, loss_function, shard, train_step
+from ray_jobs.training import (
+    build_optimizer,
+    epoch_order,
+    global_batches,
+    grad_scaler,
+    loss_function,
+    shard,
+    train_step,
+)
 
 PEER_TIMEOUT_S = 600.0
 
@@ -54,14 +62,16 @@ def torch_ddp(
     world_size: int,
     num_threads: int = 1,
     timeout_s: float = PEER_TIMEOUT_S,
+    device: str = "cpu",
 ) -> PeerResult:
     """Train with plain torch.distributed DDP: ``world_size`` processes from
-    ``torch.multiprocessing.spawn``, gloo on 127.0.0.1; one process and no DDP when 1."""
+    ``torch.multiprocessing.spawn``, gloo on 127.0.0.1 (``device`` "cuda": rank r on GPU r, nccl);
+    one process and no DDP when 1."""
     with tempfile.TemporaryDirectory(prefix="raypar-bench-peer-") as directory:
         began = time.time()
         context = mp.spawn(
             _peer_worker,
-            args=(world_size, asdict(cfg), dataset, initial_state, num_threads, directory, timeout_s),
+            args=(world_size, asdict(cfg), dataset, initial_state, num_threads, directory, timeout_s, device),
             nprocs=world_size,
             join=False,
         )
@@ -91,33 +101,41 @@ def torch_ddp(
 
 def _peer_worker(
     world_rank: int, world_size: int, train: dict[str, Any], dataset: Dataset,
-    initial_state: dict[str, torch.Tensor], num_threads: int, directory: str, timeout_s: float,
+    initial_state: dict[str, torch.Tensor], num_threads: int, directory: str, timeout_s: float, device: str = "cpu",
 ) -> None:
     """The DDP tutorial's worker over raypar's training contract: what raypar's loop does, minus Ray."""
     cfg = TrainConfig(**train)
     torch.set_num_threads(num_threads)
+    on = torch.device(f"cuda:{world_rank}" if device == "cuda" else "cpu")
+    if on.type == "cuda":
+        torch.cuda.set_device(on)  # nccl's collectives (the barrier too) run on the current device
     if world_size > 1:
         # The tutorial's MASTER_PORT would need a port picked free in advance, which another
         # process can take before rank 0 binds it; a file store in the run's folder cannot race.
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(directory, 'store')}", rank=world_rank,
+        dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                                init_method=f"file://{os.path.join(directory, 'store')}", rank=world_rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
     model = build_model(cfg.model, dataset.in_features, dataset.out_features, **cfg.model_options)
     model.load_state_dict(initial_state)
+    model.to(on)
     optimizer = build_optimizer(model.parameters(), cfg)
-    wrapped = DistributedDataParallel(model) if world_size > 1 else model
-    features, targets = dataset.tensors()
+    scaler = grad_scaler(cfg.precision, on)
+    wrapped = DistributedDataParallel(model, device_ids=[on.index] if on.type == "cuda" else None) \
+        if world_size > 1 else model
+    features, targets = (tensor.to(on) for tensor in dataset.tensors())  # on the GPU once, as raypar's loop
     loss_fn = loss_function(dataset.task)
 
     first_step_at, losses, samples, epoch_seconds, epoch_steal = None, [], 0, [], []
     for epoch in range(cfg.epochs):
         began, cpu = time.perf_counter(), cpu_times()
         batches = global_batches(epoch_order(dataset.num_rows, cfg.seed, epoch, cfg.shuffle), cfg.batch_size)
-        step_losses = torch.zeros(len(batches))
+        step_losses = torch.zeros(len(batches), device=on)
         for step, batch in enumerate(batches):
             if first_step_at is None:
                 first_step_at = time.time()
-            rows = shard(batch, world_size, world_rank)
-            step_losses[step] = train_step(wrapped, optimizer, loss_fn, features[rows], targets[rows])
+            rows = shard(batch, world_size, world_rank).to(on)
+            step_losses[step] = train_step(wrapped, optimizer, loss_fn, features[rows], targets[rows],
+                                           precision=cfg.precision, scaler=scaler)
         # raypar's loop also all-reduces the step losses once per epoch, inside its timing.
         if world_size > 1:
             dist.all_reduce(step_losses)
@@ -130,7 +148,7 @@ def _peer_worker(
               "epoch_steal": epoch_steal,
               "peak_rss_bytes": peak_rss_bytes()}
     if world_rank == 0:
-        result["state"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        result["state"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     torch.save(result, os.path.join(directory, f"rank{world_rank}.pt"))
     if world_size > 1:
         # Leave together: a rank tearing gloo down while its peer is still saving can abort it.

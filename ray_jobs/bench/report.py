@@ -51,7 +51,8 @@ def render(results: dict[str, Any]) -> str:
     parts = [
         f"# raypar bench: suite `{results['suite']}`",
         "",
-        f"{machine['cpu_count']} CPUs, torch {machine['torch']}, ray {machine['ray']}, python {machine['python']}, "
+        f"{machine['cpu_count']} CPUs, {_gpus(machine)}torch {machine['torch']}, ray {machine['ray']}, "
+        f"python {machine['python']}, "
         f"{machine['platform']}; {results['seconds']:.0f} s; load average (1/5/15 min) "
         f"{machine.get('load_average_at_start')} at start, {machine.get('load_average_at_end')} at end. "
         f"{_steal_line(machine.get('steal_by_run'))}"
@@ -68,7 +69,7 @@ def render(results: dict[str, Any]) -> str:
         parts += [
             "", f"## 1. DDP overhead: raypar vs torch.multiprocessing.spawn + gloo, {n} workers",
             "",
-            f"{_workload_line(work)}; 1 CPU and 1 torch thread per worker; "
+            f"{workload_line(work)}; 1 CPU and 1 torch thread per worker; "
             f"{len(overhead['raw']['raypar'])} raypar / {len(overhead['raw']['torch'])} torch repetitions.",
             "",
             markdown_table(
@@ -93,7 +94,7 @@ def render(results: dict[str, Any]) -> str:
                 ],
             ),
             "", "## 2. DDP scaling", "",
-            f"{_workload_line(work)}; the cluster has {data_parallel['scaling']['cluster_cpus']} CPUs; "
+            f"{workload_line(work)}; the cluster has {data_parallel['scaling']['cluster_cpus']} CPUs; "
             "efficiency = samples/s(N) / (N x samples/s(1)).",
             "",
             markdown_table(
@@ -122,7 +123,7 @@ def render(results: dict[str, Any]) -> str:
         work, single = pipe["workload"], pipe["single_process"]
         parts += [
             "", f"## 3. Pipeline: {pipe['num_stages']} stage actors", "",
-            f"{_workload_line(work)}; {pipe['threads_per_stage']} CPU and torch thread per stage. "
+            f"{workload_line(work)}; {pipe['threads_per_stage']} CPU and torch thread per stage. "
             f"Single process (plain torch loop, whole model, {single['num_threads']} thread): "
             f"{fmt(single['samples_per_second'])} samples/s. Bubble: share of the stages' time (wall x S) "
             "spent neither in forward/backward nor in the optimizer step (which every schedule runs once "
@@ -229,8 +230,12 @@ def render(results: dict[str, Any]) -> str:
         ]
     parts += _stage_memory_section(results.get("stage_memory"))
     parts += _stream_section(results.get("stream_ingest"))
+    from ray_jobs.bench.report_gpu import gpu_sections  # here: it uses this module's helpers
+
+    parts += gpu_sections(results)
+    on = "GPU, nccl" if results["suite"] == "gpu" else "CPU, gloo"
     parts += [
-        "", "## Targets (this machine: CPU, gloo; reported, not asserted)", "",
+        "", f"## Targets (this machine: {on}; reported, not asserted)", "",
         markdown_table(
             ["target", "goal", "measured", "target"],
             [[t["name"], t["goal"],
@@ -259,7 +264,7 @@ def _stage_memory_section(memory: dict[str, Any] | None) -> list[str]:
                          f"{device / MIB:.0f}" if device is not None else "-"])
     return [
         "", "## 6. Pipeline stage memory: one model, more stages", "",
-        f"{_workload_line(memory['workload'])}; {memory['cpus_per_stage']:g} CPU per stage. Each stage builds only its "
+        f"{workload_line(memory['workload'])}; {memory['cpus_per_stage']:g} CPU per stage. Each stage builds only its "
         "own layers (the model exists whole on the meta device only) and is sent only its slice of the weights; "
         "peak RSS is the stage process's VmHWM over the whole run (weights, gradients, optimizer state, "
         "activations, and the ~300 MiB of torch and pyarrow every process holds).",
@@ -281,7 +286,7 @@ def _stream_section(stream: dict[str, Any] | None) -> list[str]:
     fastest = max(run["samples_per_second"] for run in runs if run["ingest"] == "stream")
     return [
         "", "## 7. Streaming ingest: 16x the data, and what each process holds", "",
-        f"{_workload_line(stream['workload'])} (the large data; the small one has 1/16 of its rows); DDP with "
+        f"{workload_line(stream['workload'])} (the large data; the small one has 1/16 of its rows); DDP with "
         f"{stream['num_workers']} workers, each driver a process of its own (its peak RSS is its own). `memory` "
         "reads the data whole in the driver and maps it into every worker; `stream` reads it window by window "
         "through one reader actor. The stream's reader alone delivered "
@@ -293,6 +298,11 @@ def _stream_section(stream: dict[str, Any] | None) -> list[str]:
         "",
         markdown_table(["ingest", "more data, MiB", "driver peak RSS, MiB", "worker peak RSS, MiB"], growth),
     ]
+
+
+def _gpus(machine: dict[str, Any]) -> str:
+    gpus = machine.get("gpus")  # absent from reports before the GPU suite
+    return f"{len(gpus)} GPU ({', '.join(sorted(set(gpus)))}, CUDA {machine.get('cuda')}), " if gpus else ""
 
 
 def _quiet_cell(figures: dict[str, Any]) -> str:
@@ -323,7 +333,7 @@ def _time_shares(row: dict) -> list[str]:
     return [*(f"{share['median']:.3f}" if share else "-" for share in known), f"{1.0 - sum(medians):.3f}"]
 
 
-def _workload_line(work: dict[str, Any]) -> str:
+def workload_line(work: dict[str, Any]) -> str:
     return (f"`{work['model']}` hidden {work['hidden']} depth {work['depth']}, {work['in_features']} -> "
             f"{work['out_features']}, {work['rows']:,} rows, global batch {work['batch_size']}, "
             f"{work['epochs']} epoch{'s' if work['epochs'] != 1 else ''} of {work['rows'] // work['batch_size']} steps")

@@ -11,6 +11,8 @@ interleaved.
 
 Cases: DDP overhead (raypar vs torch.multiprocessing + gloo), DDP scaling, the actor pipeline
 (schedules, micro-batches, transports, bubble, transfer cost), DataParallel vs DDP, data ingest.
+``--suite gpu`` (CUDA only; one ``error:`` line without it): DDP over 1..N GPUs vs the plain loop
+and plain nccl DDP, DataParallel vs DDP, fp32 vs bf16, the pipeline over GPUs (``cases/gpu.py``).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ray_jobs.bench.cases import CASES, Bench
+from ray_jobs.bench.cases import CASES, Bench, suite_cases
 from ray_jobs.bench.plots import write_plots
 from ray_jobs.bench.report import render
 from ray_jobs.bench.stats import targets
@@ -48,6 +50,9 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "torch_threads_default": torch.get_num_threads(),
         "load_average_at_start": _load_average(),
+        "cuda": torch.version.cuda,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available() else [],
     }
 
 
@@ -57,8 +62,10 @@ def _load_average() -> list[float] | None:
 
 
 def run_suite(suite: Suite, out: str, storage_path: str, address: str | None,
-              cases: Sequence[str] = tuple(CASES)) -> dict[str, Any]:
-    """Run ``suite`` and write ``bench.json``, ``bench.md`` and plots into ``out``."""
+              cases: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run ``suite`` (``cases``, by default the suite's own) and write ``bench.json``, ``bench.md``
+    and plots into ``out``."""
+    cases = suite_cases(suite.name) if cases is None else cases
     from ray_jobs.session import connect
 
     began = time.perf_counter()
@@ -114,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--suite", default="quick",
                         help="; ".join(f"{s.name}: {s.description}" for s in SUITES.values()) + " (default: quick)")
     parser.add_argument("--out", default="runs/bench", help="output folder (default: runs/bench)")
-    parser.add_argument("--cases", default=",".join(CASES),
-                        help=f"comma-separated subset of {', '.join(CASES)} (default: all)")
+    parser.add_argument("--cases", default=None,
+                        help=f"comma-separated subset of {', '.join(CASES)} (default: the suite's: "
+                             f"{', '.join(suite_cases('gpu'))} for --suite gpu, the others otherwise)")
     parser.add_argument("--storage-path", default=None,
                         help="where the benchmarked runs write checkpoints; shared storage on a multi-node "
                              "cluster (default: a temporary local folder, deleted at the end)")
@@ -129,10 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         return _rerender_main(args.render)
     if args.suite not in SUITES:
         parser.error(f"--suite {args.suite!r} is unknown; valid: {', '.join(SUITES)}")
-    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    cases = suite_cases(args.suite) if args.cases is None else [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = sorted(set(cases) - set(CASES))
     if unknown or not cases:
         parser.error(f"--cases {args.cases!r}: valid cases are {', '.join(CASES)}")
+    if (args.suite == "gpu" or set(cases) & set(suite_cases("gpu"))) and not torch.cuda.is_available():
+        # Before Ray starts or any data is written: there is nothing to measure here.
+        print(f"error: --suite gpu needs a CUDA GPU; this machine has none that torch {torch.__version__} can use "
+              "(torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
     from ray_jobs.session import reachable
 
     try:

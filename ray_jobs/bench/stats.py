@@ -22,6 +22,8 @@ TARGET_STREAM_GROWTH_MIB = 250  # peak RSS growth allowed for 16x the streamed d
 TARGET_STREAM_FED_HEADROOM = 2.0  # with this much reader headroom, a step must not wait ...
 TARGET_STREAM_DATA_WAIT = 0.02  # ... more than this share of the loop for its data
 TARGET_STREAM_READ_RATIO = 1.2  # Parquet bytes read per epoch over the file's size
+TARGET_GPU_DDP_PER_GPU = 0.99  # raypar DDP's samples/s per GPU over the plain loop's on one GPU
+TARGET_BF16_SPEEDUP = 3.0  # bf16 over fp32 samples/s, raypar DDP on one GPU, the compute-bound MLP
 MIB = 1024 * 1024
 
 
@@ -151,7 +153,24 @@ def summarise(runs: list[dict[str, Any]], text: Sequence[str] = ()) -> dict[str,
     return figures
 
 
+def gpu_targets(results: dict[str, Any]) -> list[dict]:
+    """The GPU suite's targets: DDP per GPU against the plain loop at every GPU count, and bf16's
+    speed-up."""
+    found = []
+    points = (results.get("gpu_data_parallel") or {}).get("points") or [{"num_gpus": 1}]
+    for point in points:
+        found.append(target(f"GPU DDP {point['num_gpus']} GPU: samples/s per GPU / plain loop on 1 GPU",
+                            point.get("per_gpu_over_plain_loop"), f">= {TARGET_GPU_DDP_PER_GPU}x",
+                            lambda v: v >= TARGET_GPU_DDP_PER_GPU, "x"))
+    precision = results.get("gpu_precision")
+    found.append(target("GPU bf16 / fp32 samples/s, raypar DDP 1 GPU", precision and precision["raypar_bf16_over_fp32"],
+                        f">= {TARGET_BF16_SPEEDUP:g}x", lambda v: v >= TARGET_BF16_SPEEDUP, "x"))
+    return found
+
+
 def targets(results: dict[str, Any]) -> list[dict]:
+    if results.get("suite") == "gpu":
+        return gpu_targets(results)
     found = []
     data_parallel = results.get("data_parallel")
     overhead = data_parallel["ddp_overhead"] if data_parallel else None

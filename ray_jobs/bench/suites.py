@@ -127,6 +127,33 @@ SUITES: dict[str, Suite] = {
         memory_stages=(1, 2, 4, 8),
         stream=Workload("mlp", 256, 2, rows=3_800_000, in_features=64, out_features=4, batch_size=1024, epochs=2),
     ),
+    "gpu": Suite(
+        name="gpu",
+        description="a machine with CUDA GPUs: DDP, DataParallel, fp32 vs bf16 and the pipeline beside plain "
+                    "PyTorch on the same GPUs",
+        # The compute-bound MLP of issue #22 (256 -> 2048 x6 -> 16, batch 4096): ~430k samples/s in
+        # fp32 on one H200 (2026-12-04), so each 131,072-row epoch lasts ~0.3 s.
+        ddp=Workload("mlp", 2048, 7, rows=131072, in_features=256, out_features=16, batch_size=4096, epochs=6),
+        pipeline=Workload("mlp", 4096, 8, rows=16384, in_features=1024, out_features=1024, batch_size=1024, epochs=4),
+        # Two runs a side (each run's epochs after the first are its repetitions): a Ray Train fit
+        # took ~45 s on that machine, so the suite's ~25 runs fit in about 12 minutes on one GPU.
+        fit_repetitions=2,
+        overhead_repetitions=2,
+        cheap_repetitions=2,
+        pipeline_repetitions=2,
+        pipeline_target_repetitions=2,
+        ddp_workers=8,
+        max_workers=8,
+        num_stages=2,
+        microbatches=(8,),
+        target_microbatches=8,
+        other_transport_schedules=(),
+        other_transport_microbatches=(),
+        ingest_repetitions=1,
+        memory=Workload("mlp", 64, 4, rows=128, in_features=64, out_features=64, batch_size=32, epochs=1),
+        memory_stages=(1,),
+        stream=Workload("mlp", 16, 2, rows=32768, in_features=8, out_features=2, batch_size=256, epochs=1),
+    ),
     "smoke": Suite(
         name="smoke",
         description="seconds-scale check that the bench itself runs; its numbers mean nothing",

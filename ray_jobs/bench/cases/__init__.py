@@ -9,6 +9,7 @@ from typing import Any
 
 from ray_jobs.bench.cases.common import Bench
 from ray_jobs.bench.cases.data_parallel import data_parallel_cases
+from ray_jobs.bench.cases.gpu import GPU_CASES
 from ray_jobs.bench.cases.ingest import ingest_case
 from ray_jobs.bench.cases.pipeline import pipeline_case
 from ray_jobs.bench.cases.stage_memory import stage_memory_case
@@ -21,4 +22,11 @@ CASES: dict[str, Callable[[Bench, dict[str, Any]], dict[str, Any]]] = {
     "ingest": ingest_case,  # after data_parallel: it compares with the DDP job's consumption
     "stage_memory": stage_memory_case,
     "stream_ingest": stream_ingest_case,
+    **GPU_CASES,  # --suite gpu's
 }
+
+
+def suite_cases(suite: str) -> list[str]:
+    """The cases a suite runs unless ``--cases`` says otherwise: the GPU suite its GPU cases, the
+    others every other case."""
+    return [name for name in CASES if (name in GPU_CASES) == (suite == "gpu")]

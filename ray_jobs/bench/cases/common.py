@@ -3,6 +3,7 @@ steal), one repetition's measurement, and one run of the plain-torch peer, which
 and the pipeline cases compare with."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import statistics
@@ -37,17 +38,19 @@ class Bench:
         self.runs += 1
         return work.config(data, self.storage_path, f"bench-{os.getpid()}-{self.runs:03d}-{label}")
 
-    def peer(self, work: Workload, data: str, world_size: int, num_threads: int) -> dict[str, Any]:
-        cfg = self.config(work, data, f"torch{world_size}")
+    def peer(self, work: Workload, data: str, world_size: int, num_threads: int, device: str = "cpu",
+             precision: str = "fp32") -> dict[str, Any]:
+        cfg = dataclasses.replace(self.config(work, data, f"torch{world_size}"), precision=precision)
         prepared = prepare(cfg, "torch")
-        result = torch_ddp(cfg, prepared.dataset, prepared.initial_state, world_size, num_threads)
+        result = torch_ddp(cfg, prepared.dataset, prepared.initial_state, world_size, num_threads, device=device)
         self.clean(prepared.run_dir)
         return {"samples_per_second": steady(result.epoch_seconds, work.samples_per_epoch),
                 "samples_per_second_quiet": quiet(result.epoch_seconds, result.epoch_steal, work.samples_per_epoch),
                 "wall_s": result.wall_s, "loop_s": result.loop_s,
                 "startup_s": result.wall_s - result.loop_s, "first_step_s": result.first_step_s,
                 "after_loop_s": result.wall_s - result.first_step_s - result.loop_s,
-                "peak_rss_bytes": max(result.peak_rss_bytes), "final_loss": result.losses[-1]}
+                "peak_rss_bytes": max(result.peak_rss_bytes), "final_loss": result.losses[-1],
+                **({"epoch_losses": result.losses} if device != "cpu" else {})}
 
     def clean(self, run_dir: str) -> None:
         if "://" not in run_dir:

@@ -13,17 +13,22 @@ from ray_jobs.config import WorkerScaling
 from ray_jobs.runner import prepare
 
 
-def raypar_data_parallel(bench: Bench, strategy: str, num_workers: int, epochs: int | None = None) -> dict[str, Any]:
-    """One DDP (or DataParallel, on ``num_workers`` CPUs) fit; start-up is wall minus loop time."""
+def raypar_data_parallel(bench: Bench, strategy: str, num_workers: int, epochs: int | None = None,
+                         use_gpu: bool = False, precision: str = "fp32") -> dict[str, Any]:
+    """One DDP (or DataParallel, on ``num_workers`` CPUs, or GPUs with ``use_gpu``) fit; start-up
+    is wall minus loop time. With ``use_gpu``, also the per-epoch losses."""
     from ray_jobs import ddp, dp
 
-    cfg = bench.config(bench.suite.ddp, bench.ddp_data, f"{strategy}{num_workers}")
+    cfg = bench.config(bench.suite.ddp, bench.ddp_data, f"{strategy}{num_workers}{'-gpu' if use_gpu else ''}")
+    cfg = dataclasses.replace(cfg, precision=precision)
     if epochs is not None:
         cfg = dataclasses.replace(cfg, epochs=epochs, checkpoint_every=epochs)
     prepared = prepare(cfg, strategy)
     began, began_at = time.perf_counter(), time.time()  # wall clock, as the workers' first step
     if strategy == "ddp":
-        summary = ddp.run(prepared, WorkerScaling(num_workers=num_workers))
+        summary = ddp.run(prepared, WorkerScaling(num_workers=num_workers, use_gpu=use_gpu))
+    elif use_gpu:
+        summary = dp.run(prepared, dp.DataParallelScaling(gpus=num_workers))
     else:
         summary = dp.run(prepared, dp.DataParallelScaling(cpus_per_worker=float(num_workers)))
     wall = time.perf_counter() - began
@@ -34,7 +39,8 @@ def raypar_data_parallel(bench: Bench, strategy: str, num_workers: int, epochs: 
             "wall_s": wall, "loop_s": sum(epochs), "startup_s": wall - sum(epochs),
             "first_step_s": summary.extra["first_step_at"] - began_at,
             "after_loop_s": wall - (summary.extra["first_step_at"] - began_at) - sum(epochs),
-            "peak_rss_bytes": max(summary.extra["worker_peak_rss_bytes"]), "final_loss": summary.losses[-1]}
+            "peak_rss_bytes": max(summary.extra["worker_peak_rss_bytes"]), "final_loss": summary.losses[-1],
+            **({"epoch_losses": summary.losses} if use_gpu else {})}  # the GPU cases compare loss curves
 
 
 def max_workers() -> int:
