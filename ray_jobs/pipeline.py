@@ -274,19 +274,19 @@ def run(prepared: PreparedRun, scaling: PipelineScaling, crash_at_start: bool = 
     """
     cfg = prepared.cfg
     scaling.check(cfg)
-    keys = scaling.check_model(prepared)
     if scaling.num_microbatches < scaling.num_stages:
         warnings.warn(f"--num-microbatches {scaling.num_microbatches} < --num-stages {scaling.num_stages}: "
                       "the pipeline can never fill, some stages always idle", stacklevel=2)
     request = Request("--num-stages", scaling.num_stages, {"CPU": "--cpus-per-stage", "GPU": "--gpus-per-stage"})
     wait_for_bundles(scaling.bundles, scaling.placement_strategy, request, cfg.resource_timeout)
     with stream_reader(prepared) as reader:
-        return _attempts(prepared, scaling, keys, reader, crash_at_start, faults)
+        return _attempts(prepared, scaling, reader, crash_at_start, faults)
 
 
-def _attempts(prepared: PreparedRun, scaling: PipelineScaling, keys: list[set[str]], reader, crash_at_start: bool,
+def _attempts(prepared: PreparedRun, scaling: PipelineScaling, reader, crash_at_start: bool,
               faults: dict) -> TrainSummary:
     cfg = prepared.cfg
+    keys = scaling.check_model(prepared)
     for failures in range(cfg.max_failures + 1):
         stages = None
         try:
