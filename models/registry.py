@@ -1,7 +1,15 @@
-"""The model registry: plain torch modules, built by name with widths taken from the data."""
+"""The model registry: plain torch modules, built by name with widths taken from the data.
+
+A name is a registered model (``mlp``) or a user's ``module.path:callable``, imported from the
+working directory or the Python path and called as ``callable(in_features, out_features, **options)``.
+"""
 from __future__ import annotations
 
+import importlib
+import os
+import sys
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -65,12 +73,70 @@ MODEL_OPTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
-def build_model(name: str, in_features: int, out_features: int, **options: float | None) -> nn.Module:
-    """Build a registered model. Options set to ``None`` take the model's default.
+def is_user_model(name: str) -> bool:
+    return ":" in name
+
+
+def model_factory(name: str) -> Callable[..., nn.Module]:
+    """The callable that builds model ``name``: a registered one, or a user's ``module.path:callable``
+    imported from the working directory or the Python path. Raises ``ValueError`` saying what is wrong."""
+    if not is_user_model(name):
+        if name not in MODELS:
+            raise ValueError(f"unknown model {name!r}; valid models: {', '.join(sorted(MODELS))}, "
+                             "or module.path:callable for your own")
+        return MODELS[name]
+    module_name, _, attribute = name.partition(":")
+    if not module_name or not attribute or ":" in attribute:
+        raise ValueError(f"--model {name!r} must be module.path:callable (e.g. my_models:build)")
+    # ``python -m`` puts the working directory on the path, a console script does not: the
+    # user's module is looked for there either way (after the path, so it shadows nothing).
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name is not None and (module_name + ".").startswith(error.name + "."):
+            raise ValueError(f"--model {name}: no module {module_name!r} in the working directory "
+                             f"({os.getcwd()}) or on PYTHONPATH") from None
+        raise ValueError(f"--model {name}: importing {module_name} failed: {error}") from None
+    except Exception as error:  # the user's module raised while importing
+        raise ValueError(f"--model {name}: importing {module_name} raised {type(error).__name__}: {error}") from None
+    factory = getattr(module, attribute, None)
+    if factory is None or not callable(factory):
+        what = "has no" if factory is None else "has a non-callable"
+        raise ValueError(f"--model {name}: module {module_name} ({module.__file__}) {what} {attribute!r}; "
+                         "name a function or class taking (in_features, out_features, **options)")
+    return factory
+
+
+def build_model(name: str, in_features: int, out_features: int, factory: Callable[..., nn.Module] | None = None,
+                **options: Any) -> nn.Module:
+    """Build model ``name`` (``factory``, when given, is its already resolved callable). Options set
+    to ``None`` take the model's default.
 
     Raises ``ValueError`` naming the valid choices for an unknown name, an option the model
-    does not take, or a non-positive width.
+    does not take, a non-positive width, or a user callable that fails or returns no ``nn.Module``.
     """
+    if is_user_model(name):
+        return _build_user_model(name, factory or model_factory(name), in_features, out_features,
+                                 {key: value for key, value in options.items() if value is not None})
+    return _build_registered(name, in_features, out_features, **options)
+
+
+def _build_user_model(name: str, factory: Callable[..., nn.Module], in_features: int, out_features: int,
+                      options: dict[str, Any]) -> nn.Module:
+    call = ", ".join([str(in_features), str(out_features), *(f"{k}={v!r}" for k, v in options.items())])
+    try:
+        model = factory(in_features, out_features, **options)
+    except Exception as error:  # the user's code: its error, on one line, names the call
+        first = str(error).splitlines()[0] if str(error) else ""
+        raise ValueError(f"--model {name}: calling it as ({call}) raised {type(error).__name__}: {first}") from None
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"--model {name}: ({call}) returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def _build_registered(name: str, in_features: int, out_features: int, **options: Any) -> nn.Module:
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; valid models: {', '.join(sorted(MODELS))}")
     given = {key: value for key, value in options.items() if value is not None}
@@ -89,3 +155,24 @@ def build_model(name: str, in_features: int, out_features: int, **options: float
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"model {name!r}: {label} must be a positive integer, got {value!r}")
     return MODELS[name](in_features, out_features, **given)
+
+
+# Layers whose output depends on more than their own input row and the weights: with them, data
+# parallelism cannot reproduce single-process training (each worker draws its own dropout masks,
+# each normalises over its own shard of the batch).
+NOT_REPRODUCIBLE = {
+    nn.modules.dropout._DropoutNd: "draws a random mask on each worker",
+    nn.modules.batchnorm._BatchNorm: "normalises over each worker's shard of the batch, not the global batch",
+}
+
+
+def not_reproducible_layers(model: nn.Module) -> list[tuple[str, str, type]]:
+    """``(layer name and type, why, kind)`` for each layer data-parallel training cannot reproduce
+    exactly; ``kind`` is the ``NOT_REPRODUCIBLE`` class it is."""
+    found = []
+    for name, module in model.named_modules():
+        for kind, why in NOT_REPRODUCIBLE.items():
+            harmless = isinstance(module, nn.SyncBatchNorm) or getattr(module, "p", None) == 0  # p: dropout's
+            if isinstance(module, kind) and not harmless:
+                found.append((f"{name or 'the model'} ({type(module).__name__})", why, kind))
+    return found

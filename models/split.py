@@ -51,13 +51,15 @@ def _balanced_cuts(weights: list[int], num_stages: int) -> list[int]:
 
 
 def split_into_stages(model: nn.Module, num_stages: int) -> list[nn.Module]:
-    """Split a registry model into ``num_stages`` sequential stages, balanced by parameter count.
+    """Split an ``nn.Sequential`` into ``num_stages`` sequential stages between its top-level
+    children (each child may be any module, nested to any depth), balanced by parameter count.
 
     The stages share the model's modules and keep their child names, so the union of the
     stages' ``state_dict()`` is the model's ``state_dict()`` with no key rewriting.
     """
     if not isinstance(model, nn.Sequential):
-        raise ValueError(f"can only split sequential registry models, got {type(model).__name__}")
+        raise ValueError(f"the pipeline cuts a model between the children of an nn.Sequential; the model is a "
+                         f"{type(model).__name__}: return an nn.Sequential (its children may be any modules)")
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"--num-stages must be a positive integer, got {num_stages!r}")
     units = _units(model)

@@ -42,6 +42,10 @@ class TrainState:
     scaler: dict[str, Any] | None = None
     """``--precision fp16``: the gradient scaler's ``state_dict`` (scale, growth tracker), the same
     on every rank and stage; a resume without it would restart from the initial scale."""
+    val_losses: list[float] = field(default_factory=list)
+    """``--val-data``: the validation loss after each completed epoch (empty without it)."""
+    val_accuracy: list[float | None] = field(default_factory=list)
+    """``--val-data``: the validation accuracy after each completed epoch (None for regression)."""
 
     @property
     def progress(self) -> tuple[int, int]:

@@ -43,6 +43,8 @@ def entry_point(
         scaling.check(cfg)
         reachable(args.address)  # a wrong address fails in seconds, before the data is read
         prepared = prepare(cfg, strategy)
+        if hasattr(scaling, "check_model"):  # what needs the data's widths (a user's model), still before Ray
+            scaling.check_model(prepared)
         connect(args.address)
         # After connecting, since Ray's core installs its own SIGTERM handler: SIGTERM (ray job
         # stop, kill, a scheduler) then ends the run like Ctrl-C.

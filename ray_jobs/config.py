@@ -11,7 +11,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from models import MODELS
+from models import MODELS, is_user_model
 
 OPTIMIZERS = ("sgd", "adamw")
 TASKS = ("auto", "regression", "classification")
@@ -43,10 +43,20 @@ class TrainConfig:
         "auto: an integer target column is classification, floats regression", "data", choices=TASKS))
     num_classes: int | None = field(default=None, metadata=flag_doc(
         "classes K (labels 0..K-1)", "data", "the files' raypar.num_classes, else the largest label + 1"))
+    val_data: str | None = field(default=None, metadata=flag_doc(
+        "validation Parquet (same columns, read whole into memory): its loss (and accuracy) after every epoch, "
+        "and best_model.pt", "data", "none"))
     # model
-    model: str = field(default="seed-mlp", metadata=flag_doc("registry model name", "model", choices=sorted(MODELS)))
+    model: str = field(default="seed-mlp", metadata=flag_doc(
+        f"a registered model ({', '.join(sorted(MODELS))}), or your own as module.path:callable, imported from "
+        "the working directory or PYTHONPATH and called as callable(in_features, out_features, **options) to "
+        "return an nn.Module", "model"))
+    model_option: list[str] = field(default_factory=list, metadata=flag_doc(
+        "KEY=VALUE passed to the model as an option (the value read as int, float, true/false, else a string); "
+        "repeat for more", "model", "none", metavar="KEY=VALUE", action="append"))
     hidden: int | None = field(default=None, metadata=flag_doc(
-        "hidden width (seed-mlp, seed-split, mlp)", "model", "the model's: 10, 5, 64"))
+        "hidden width (seed-mlp, seed-split, mlp); for any model, short for --model-option hidden=N", "model",
+        "the model's: 10, 5, 64"))
     depth: int | None = field(default=None, metadata=flag_doc("number of Linear layers (mlp)", "model", "4"))
     dropout: float | None = field(default=None, metadata=flag_doc(
         "dropout probability after each hidden layer (mlp)", "model", "0, none"))
@@ -93,8 +103,11 @@ class TrainConfig:
         "(a fixed-size cluster that lacks them fails at once)", "placement"))
 
     def __post_init__(self) -> None:
-        if self.model not in MODELS:
-            raise ValueError(f"--model {self.model!r} is unknown; valid models: {', '.join(sorted(MODELS))}")
+        if self.model not in MODELS and not is_user_model(self.model):
+            raise ValueError(f"--model {self.model!r} is unknown; valid models: {', '.join(sorted(MODELS))}, "
+                             "or module.path:callable for your own")
+        self.model_option = list(self.model_option or [])  # argparse leaves an unrepeated flag None
+        self.model_options  # noqa: B018 -- parses --model-option, raising its ValueError now
         require_choice(self.optimizer, OPTIMIZERS, "optimizer")
         require_choice(self.task, TASKS, "task")
         require_choice(self.ingest, INGESTS, "ingest")
@@ -118,8 +131,47 @@ class TrainConfig:
             raise ValueError("--momentum applies to --optimizer sgd only")
 
     @property
-    def model_options(self) -> dict[str, float | None]:
-        return {"hidden": self.hidden, "depth": self.depth, "dropout": self.dropout}
+    def model_options(self) -> dict[str, Any]:
+        """The model's keyword options: each --model-option, and the --hidden/--depth/--dropout given."""
+        options = parse_model_options(self.model_option)
+        for key in ("hidden", "depth", "dropout"):
+            value = getattr(self, key)
+            if value is not None:
+                if key in options:
+                    raise ValueError(f"--{key} and --model-option {key}=... both set {key}; give one")
+                options[key] = value
+        return options
+
+
+# Keys of summary.json's model record and build_model's own arguments, beside the options.
+RESERVED_OPTIONS = ("name", "in_features", "out_features", "factory")
+
+
+def parse_model_options(pairs: list[str]) -> dict[str, Any]:
+    """``["hidden=8", "norm=true", "act=gelu"]`` -> ``{"hidden": 8, "norm": True, "act": "gelu"}``."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, equals, text = pair.partition("=")
+        if not equals or not key.isidentifier():
+            raise ValueError(f"--model-option {pair!r} must be KEY=VALUE with KEY a Python name (e.g. hidden=64)")
+        if key in RESERVED_OPTIONS:
+            raise ValueError(f"--model-option {key}=... is not an option: the model is called with "
+                             "(in_features, out_features) from the data")
+        if key in options:
+            raise ValueError(f"--model-option {key} is given twice")
+        options[key] = parse_option_value(text)
+    return options
+
+
+def parse_option_value(text: str) -> Any:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 @dataclass
@@ -139,8 +191,14 @@ class WorkerScaling:
         "elastic run (DDP): after losing workers or nodes, resume on as many workers as the cluster can "
         "place, at least this many, and grow back to --num-workers when nodes return; the global batch "
         "and the trained weights stay the same", default_text="--num-workers: not elastic"))
+    sync_batchnorm: bool = field(default=False, metadata=flag_doc(
+        "convert the model's BatchNorm layers to SyncBatchNorm, which normalises over the global batch "
+        "(CUDA only, so it needs --use-gpu)", "model"))
 
     def __post_init__(self) -> None:
+        if self.sync_batchnorm and not self.use_gpu:
+            raise ValueError("--sync-batchnorm needs --use-gpu: SyncBatchNorm runs on CUDA only; on CPU each "
+                             "worker's BatchNorm normalises over its own shard of the batch")
         require(self.num_workers >= 1, "num_workers", self.num_workers, "at least 1")
         if self.min_workers is not None:
             require(1 <= self.min_workers <= self.num_workers, "min_workers", self.min_workers,
@@ -221,6 +279,10 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, default_group: str = "
         # choices go into the help text: a bad value then fails in __post_init__ with one line.
         choices = meta.pop("choices", None)
         meta["help"] += f"; one of {', '.join(choices)}" if choices else ""
+        if meta.get("action") == "append":  # a repeatable flag; the dataclass turns None into []
+            meta["help"] += f" (default: {default_text})"
+            group.add_argument(flag, dest=f.name, default=None, **meta)
+            continue
         if hints[f.name] is bool:
             shown = default_text or ("on" if default else "off")
             meta["help"] += f" (default: {shown})"

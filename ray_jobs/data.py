@@ -71,7 +71,7 @@ def _column(table: pa.Table, name: str, flag: str) -> pa.ChunkedArray:
     return column
 
 
-def _fixed_width(column: pa.ChunkedArray, name: str) -> np.ndarray:
+def fixed_width(column: pa.ChunkedArray, name: str) -> np.ndarray:
     """A list-of-floats column as an (n, width) float32 array; ragged rows are an error."""
     if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)
             or pa.types.is_fixed_size_list(column.type)):
@@ -116,7 +116,7 @@ def table_to_dataset(
     """
     if table.num_rows == 0:
         raise ValueError("the dataset has no rows")
-    features = _fixed_width(_column(table, feature_column, "--feature-column"), feature_column)
+    features = fixed_width(_column(table, feature_column, "--feature-column"), feature_column)
     target = _column(table, target_column, "--target-column")
     if stored_classes is None:
         stored = (table.schema.metadata or {}).get(NUM_CLASSES_KEY)
@@ -136,10 +136,10 @@ def table_to_dataset(
         raise ValueError(f"--num-classes applies to classification; column {target_column!r} ({target.type}) "
                          "is trained as regression")
     if kind == "list":
-        targets = _fixed_width(target, target_column)
+        targets = fixed_width(target, target_column)
         reason = f"column {target_column!r} holds lists of numbers"
     else:  # one number per row: a target of width 1
-        targets = _fixed_width(pa.chunked_array([pa.FixedSizeListArray.from_arrays(
+        targets = fixed_width(pa.chunked_array([pa.FixedSizeListArray.from_arrays(
             target.combine_chunks().cast(pa.float32()), 1)]), target_column)
         reason = f"--task regression on the numbers of column {target_column!r}" if task == "regression" else \
             f"column {target_column!r} holds floats"

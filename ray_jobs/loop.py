@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models import build_model
 from ray_jobs import storage
 from ray_jobs.checkpoint import (
     TrainState,
@@ -40,17 +39,20 @@ from ray_jobs.errors import described
 from ray_jobs.readings import cpu_times, peak_rss_bytes, steal_fraction
 from ray_jobs.runner import hold, record_failure
 from ray_jobs.stream import epoch_indices, open_source
+from ray_jobs.train_log import TrainLog
 from ray_jobs.training import (
     build_optimizer,
     global_batches,
     grad_scaler,
     loss_function,
+    make_model,
     non_finite_loss,
     rank_seed,
     shard,
     shard_weight,
     train_step,
 )
+from ray_jobs.validation import Validation, chunk_sums, combine, is_best, my_chunks, progress, write_best_model
 
 
 @dataclass
@@ -73,6 +75,10 @@ class LoopConfig:
     """Fault injection for tests: the last world rank raises during this epoch."""
     reader: Any = None
     """The stream's ``WindowReader`` actor (``--ingest stream``), else None."""
+    model_factory: Callable[..., nn.Module] | None = None
+    """``--model``'s callable as the driver resolved it (``PreparedRun.model_factory``)."""
+    val_dataset: ray.ObjectRef | None = None
+    """``--val-data`` in memory, else None."""
     hold_at_epoch: int | None = None
     """Fault injection for tests: on a run not resumed from a checkpoint, every rank waits at this
     epoch's start, after the previous epoch's checkpoint, until ``hold_until`` exists."""
@@ -87,7 +93,7 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
     torch.set_num_threads(loop.num_threads)
     dataset = ray.get(loop.dataset)
     device = ray.train.torch.get_device()
-    model = build_model(cfg.model, dataset.in_features, dataset.out_features, **cfg.model_options)
+    model = make_model(cfg, dataset, loop.model_factory)
     model.load_state_dict(ray.get(loop.initial_state))
     model.to(device)
     optimizer = build_optimizer(model.parameters(), cfg)
@@ -128,7 +134,11 @@ class _Worker:
         self.source = open_source(dataset, loop.reader, cfg.seed, cfg.shuffle, device)
         self.first_step_at: float | None = None  # wall clock, comparable with the driver's
         self.losses = list(start.losses) if start else []
+        self.val = ray.get(loop.val_dataset) if loop.val_dataset is not None else None
+        self.val_losses = list(start.val_losses) if start else []
+        self.val_accuracy = list(start.val_accuracy) if start else []
         self.num_samples, self.epoch_seconds, self.epoch_steal = 0, [], []
+        self.log = TrainLog(loop.run_dir) if self.world_rank == 0 else None  # TensorBoard: world rank 0's
         mine = (ray.get_runtime_context().get_node_id(), ctx.get_node_rank())
         nodes, node_ranks = (list(column) for column in zip(*_gather(mine, self.world_size)))
         attempt = {"num_workers": self.world_size, "epoch": start.epochs_completed if start else 0,
@@ -167,11 +177,13 @@ class _Worker:
                 record_failure(self.loop.run_dir, failure)
             return None
         self.num_samples += len(losses) * cfg.batch_size
+        self.epoch_samples = len(losses) * cfg.batch_size
         return losses
 
     def end_epoch(self, epoch: int, step_losses: list[float], seconds: float, steal: float | None) -> None:
         cfg = self.cfg
         self.losses.append(sum(step_losses) / len(step_losses))
+        validation = self.validate()
         self.epoch_seconds.append(seconds)
         self.epoch_steal.append(steal)
         self.report.update(epoch=epoch, loss=self.losses[-1], epochs_completed=epoch + 1,
@@ -181,11 +193,32 @@ class _Worker:
                            first_step_at=self.first_step_at,
                            worker_peak_rss_bytes=_gather(peak_rss_bytes(), self.world_size))
         if self.world_rank == 0:
-            print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {self.losses[-1]:.6f}", flush=True)
+            print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {self.losses[-1]:.6f}{progress(validation)}",
+                  flush=True)
+        if self.log is not None:
+            self.log.epoch(epoch, step_losses, self.losses[-1], validation, self.epoch_samples / seconds,
+                           self.optimizer.param_groups[0]["lr"])
         if (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs:
             self.checkpoint(epoch + 1, 0, [])
         else:
             _report(self.report, None)
+
+    def validate(self) -> Validation | None:
+        """``--val-data`` with the weights after this epoch: each rank takes its chunks, the chunks'
+        sums are gathered, so every rank holds the same result (world rank 0 writes best_model.pt)."""
+        if self.val is None:
+            return None
+        mine = chunk_sums(self.model, self.val, my_chunks(self.val, self.world_rank, self.world_size), self.device)
+        result = combine({chunk: sums for part in _gather(mine, self.world_size) for chunk, sums in part.items()},
+                         self.val)
+        self.val_losses.append(result.loss)
+        self.val_accuracy.append(result.accuracy)
+        if self.world_rank == 0 and is_best(self.val_losses):
+            write_best_model(self.loop.run_dir, self.weights)
+        return result
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {key: value.detach().cpu() for key, value in self.model.state_dict().items()}
 
     def checkpoint(self, epochs_completed: int, step: int, step_losses: list[float]) -> None:
         """Report with a checkpoint (every rank calls it: the RNG states are gathered, and a
@@ -194,11 +227,11 @@ class _Worker:
         state = None
         if self.world_rank == 0:
             # No copy: the checkpoint is written before the next step changes these tensors.
-            weights = {key: value.detach().cpu() for key, value in self.model.state_dict().items()}
-            state = TrainState(weights, named_optimizer_state(self.optimizer, dict(self.model.named_parameters())),
+            state = TrainState(self.weights(), named_optimizer_state(self.optimizer, dict(self.model.named_parameters())),
                                epochs_completed, list(self.losses), rngs, step, step_losses,
                                world_sizes=self.report["world_sizes"],
-                               scaler=self.scaler.state_dict() if self.scaler else None)
+                               scaler=self.scaler.state_dict() if self.scaler else None,
+                               val_losses=list(self.val_losses), val_accuracy=list(self.val_accuracy))
         _report({**self.report, "step": step}, state)
 
 

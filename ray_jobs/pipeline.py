@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from ray.exceptions import RayTaskError
 
-from models import build_model, split_into_stages
+from models import build_model, is_user_model, split_into_stages
 from ray_jobs import interrupts, storage
 from ray_jobs.checkpoint import TrainState, checkpoint_name, latest_checkpoint, prune_checkpoints, write_checkpoint
 from ray_jobs.cli import entry_point, exit_process
@@ -40,8 +40,10 @@ from ray_jobs.stage import stage_keys
 from ray_jobs.stage_group import StageGroup, StartFailed
 from ray_jobs.summary import TrainSummary
 from ray_jobs.stream import epoch_indices, reader_stats, stream_reader
-from ray_jobs.training import global_batches, non_finite_loss
+from ray_jobs.train_log import TrainLog
+from ray_jobs.training import global_batches, make_model, non_finite_loss
 from ray_jobs.transports import STAGE_FAILURES, TRANSPORTS, BatchTimeout
+from ray_jobs.validation import Validation, is_best, progress, validate, write_best_model
 
 # This module holds the flags, the attempts (retries from the latest checkpoint) and the epoch
 # loop; the stage actor is stage.py, their placement and failure probing stage_group.py, the
@@ -109,8 +111,14 @@ class PipelineScaling:
             raise ValueError(f"--transport compiled cannot connect stages that share a GPU ({shared}; nccl "
                              "refuses two ranks on one device): use --transport p2p or actor_calls, or "
                              "--gpus-per-stage 1")
-        # Layer count does not depend on the data's widths, so any widths tell whether S fits.
-        split_into_stages(build_model(cfg.model, 1, 1, **cfg.model_options), self.num_stages)
+        # A registered model's layer count does not depend on the data's widths, so any widths tell
+        # whether S fits; a user's model may need its real widths: it is cut once the data is read.
+        if not is_user_model(cfg.model):
+            split_into_stages(build_model(cfg.model, 1, 1, **cfg.model_options), self.num_stages)
+
+    def check_model(self, prepared: PreparedRun) -> list[set[str]]:
+        """Cut the model (on the meta device) with the data's widths: each stage's state_dict keys."""
+        return stage_keys(prepared.cfg, prepared.dataset, self.num_stages, prepared.model_factory)
 
     @property
     def gpus_each(self) -> float | None:
@@ -173,6 +181,7 @@ class Attempt:
     resumed_from_epoch: int | None
     resumed_from_step: int | None
     timing: PipelineTiming
+    log: TrainLog
 
 
 def _train_epoch(stages: StageGroup, prepared: PreparedRun, attempt: Attempt, scaling: PipelineScaling,
@@ -194,12 +203,32 @@ def _train_epoch(stages: StageGroup, prepared: PreparedRun, attempt: Attempt, sc
         if end < len(batches):
             state.step, state.step_losses = end, list(losses)
             _checkpoint(stages, prepared, state)
-    attempt.timing.add_epoch(time.perf_counter() - began, new * cfg.batch_size, stages.take_timing())
+    seconds = time.perf_counter() - began
+    attempt.timing.add_epoch(seconds, new * cfg.batch_size, stages.take_timing())
     state.losses.append(sum(losses) / len(batches))
     state.epochs_completed, state.step, state.step_losses = epoch + 1, 0, []
-    print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {state.losses[-1]:.6f}", flush=True)
+    validation = _validate(stages, prepared, state)
+    print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {state.losses[-1]:.6f}{progress(validation)}", flush=True)
+    attempt.log.epoch(epoch, losses, state.losses[-1], validation, new * cfg.batch_size / seconds, cfg.lr)
     if state.epochs_completed % cfg.checkpoint_every == 0 or state.epochs_completed == cfg.epochs:
-        _checkpoint(stages, prepared, state)
+        _checkpoint(stages, prepared, state, gathered=validation is not None)
+
+
+def _validate(stages: StageGroup, prepared: PreparedRun, state: TrainState) -> Validation | None:
+    """``--val-data`` on the driver, with the stages' weights gathered into the whole model (as a
+    checkpoint gathers them): the same chunks, so the same result, as the data-parallel workers."""
+    if prepared.val_dataset is None:
+        return None
+    state.model, state.optimizer, state.rng, state.scaler = stages.gather_state()
+    with torch.device("meta"):
+        model = make_model(prepared.cfg, prepared.dataset, prepared.model_factory)
+    model.load_state_dict(state.model, assign=True)  # the gathered tensors themselves: no second copy
+    result = validate(model, prepared.val_dataset, torch.device("cpu"))
+    state.val_losses.append(result.loss)
+    state.val_accuracy.append(result.accuracy)
+    if is_best(state.val_losses):
+        write_best_model(prepared.run_dir, lambda: state.model)
+    return result
 
 
 def _segments(first: int, total: int, every: int) -> list[tuple[int, int]]:
@@ -207,8 +236,10 @@ def _segments(first: int, total: int, every: int) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:]))
 
 
-def _checkpoint(stages: StageGroup, prepared: PreparedRun, state: TrainState) -> None:
-    state.model, state.optimizer, state.rng, state.scaler = stages.gather_state()
+def _checkpoint(stages: StageGroup, prepared: PreparedRun, state: TrainState, gathered: bool = False) -> None:
+    """``gathered``: ``state`` already holds the stages' state as of now."""
+    if not gathered:
+        state.model, state.optimizer, state.rng, state.scaler = stages.gather_state()
     write_checkpoint(storage.join(prepared.run_dir, checkpoint_name(state.epochs_completed, state.step)), state)
     prune_checkpoints(prepared.run_dir, prepared.cfg.num_checkpoints_to_keep)
 
@@ -227,11 +258,13 @@ def _inject(stages: StageGroup, attempt: Attempt, faults: dict, epoch: int, step
 def _start_attempt(stages: StageGroup, prepared: PreparedRun, num_stages: int) -> Attempt:
     checkpoint = latest_checkpoint(prepared.run_dir)
     if checkpoint is None:
-        return Attempt(TrainState(dict(prepared.initial_state), {}, 0, []), None, None, PipelineTiming(num_stages))
+        return Attempt(TrainState(dict(prepared.initial_state), {}, 0, []), None, None, PipelineTiming(num_stages),
+                       TrainLog(prepared.run_dir))
     stages.restore(checkpoint)
     at = f"epoch {checkpoint.epochs_completed}" + (f", step {checkpoint.step}" if checkpoint.step else "")
     print(f"[raypar] resuming from the checkpoint after {at}", flush=True)
-    return Attempt(checkpoint, checkpoint.epochs_completed, checkpoint.step, PipelineTiming(num_stages))
+    return Attempt(checkpoint, checkpoint.epochs_completed, checkpoint.step, PipelineTiming(num_stages),
+                   TrainLog(prepared.run_dir))
 
 
 def run(prepared: PreparedRun, scaling: PipelineScaling, crash_at_start: bool = False, **faults) -> TrainSummary:
@@ -257,7 +290,7 @@ def run(prepared: PreparedRun, scaling: PipelineScaling, crash_at_start: bool = 
 def _attempts(prepared: PreparedRun, scaling: PipelineScaling, reader, crash_at_start: bool,
               faults: dict) -> TrainSummary:
     cfg = prepared.cfg
-    keys = stage_keys(cfg, prepared.dataset, scaling.num_stages)
+    keys = scaling.check_model(prepared)
     for failures in range(cfg.max_failures + 1):
         stages = None
         try:

@@ -20,8 +20,10 @@ from ray_jobs.config import TrainConfig
 
 RUN_FILE = "run.json"
 # TrainConfig's fields by what a re-run may do with them (a test checks every field is here).
-FIXED = ("data", "feature_column", "target_column", "task", "num_classes", "model", "hidden", "depth", "dropout",
-         "init_from", "batch_size", "lr", "optimizer", "momentum", "weight_decay", "seed", "shuffle", "precision",
+FIXED = ("data", "feature_column", "target_column", "task", "num_classes", "val_data", "model", "model_option", "hidden",
+         "depth", "dropout", "init_from", "batch_size", "lr", "optimizer", "momentum", "weight_decay", "seed", "shuffle",
+         "precision",
+         # val_data: the validation history and best_model.pt must come from one set;
          # the two ingest modes visit rows in different orders (contracts v1 and v2)
          "ingest", "memory_ingest_limit_mb", "shuffle_window_rows")
 GROWABLE = ("epochs",)
@@ -36,7 +38,7 @@ class AlreadyComplete(Exception):
 def fixed_settings(cfg: TrainConfig) -> dict[str, Any]:
     """The settings that decide the weights, paths made absolute so the working directory does not matter."""
     settings = {name: getattr(cfg, name) for name in FIXED}
-    for name in ("data", "init_from"):
+    for name in ("data", "val_data", "init_from"):
         if settings[name] is not None:
             settings[name] = storage.absolute(settings[name])
     return settings

@@ -7,12 +7,18 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
+import ray.cloudpickle
 import torch
+from torch import nn
+
+from models import is_user_model, model_factory
 
 from ray_jobs import storage
 from ray_jobs.checkpoint import TrainState
@@ -22,6 +28,7 @@ from ray_jobs.resume import check_rerun, record_settings
 from ray_jobs.stream import StreamDataset, plan_stream, uncompressed_bytes
 from ray_jobs.summary import TrainSummary
 from ray_jobs.training import check_batch_fits, initial_model
+from ray_jobs.validation import best_epoch, read_val_data
 
 # The default data when --data is not given: the DDP tutorial's shape (10 inputs, 5 outputs).
 SYNTHETIC_ROWS, SYNTHETIC_IN, SYNTHETIC_OUT = 1024, 10, 5
@@ -38,6 +45,10 @@ class PreparedRun:
     initial_state: dict[str, torch.Tensor]
     name: str
     storage_path: str
+    model_factory: Callable[..., nn.Module] | None = None
+    """``--model``'s callable, resolved once here; workers and stages build the model with it."""
+    val_dataset: Dataset | None = None
+    """``--val-data``, in memory."""
 
     @property
     def run_dir(self) -> str:
@@ -79,14 +90,38 @@ def prepare(cfg: TrainConfig, strategy: str) -> PreparedRun:
     check_rerun(cfg, name, run_dir)
     dataset = load_data(cfg)
     check_batch_fits(cfg, dataset)
-    model = initial_model(cfg, dataset)
+    val = None if cfg.val_data is None else read_val_data(cfg.val_data, cfg.feature_column, cfg.target_column,
+                                                              dataset)
+    factory = ship_model_code(cfg.model)
+    model = initial_model(cfg, dataset, factory)
     if cfg.task == "auto":
         print(f"[raypar] task: {dataset.task} ({dataset.reason}; --task to choose)", flush=True)
-    prepared = PreparedRun(cfg, strategy, dataset, model.state_dict(), name, storage_path)
+    prepared = PreparedRun(cfg, strategy, dataset, model.state_dict(), name, storage_path, factory, val)
     storage.check_writable(run_dir)
     record_settings(cfg, strategy, run_dir)
     storage.delete_file(storage.join(run_dir, FAILURE_FILE))  # a past attempt's reason
     return prepared
+
+
+def ship_model_code(name: str) -> Callable[..., nn.Module]:
+    """``--model``'s callable. A user's module outside site-packages travels to the workers by value
+    (cloudpickle), so they build the model even where they cannot import it: a cluster joined
+    without ``--working-dir``, a test's temporary module. Workers that can import it do either way."""
+    factory = model_factory(name)
+    if is_user_model(name):
+        module = sys.modules[name.partition(":")[0]]
+        installed = any(part in (module.__file__ or "") for part in ("site-packages", "dist-packages"))
+        if not installed:
+            ray.cloudpickle.register_pickle_by_value(module)
+    return factory
+
+
+def model_record(cfg: TrainConfig, dataset: Dataset | StreamDataset) -> dict[str, Any]:
+    """``summary.json``'s ``model``: the model (a registered name or ``module.path:callable``), the
+    data's widths and the model's options, so ``models.build_model(**record)`` rebuilds ``model.pt``'s
+    architecture from the summary alone."""
+    return {"name": cfg.model, "in_features": dataset.in_features, "out_features": dataset.out_features,
+            **cfg.model_options}
 
 
 def finish(
@@ -106,8 +141,7 @@ def finish(
         losses=[float(loss) for loss in final.losses],
         samples_per_second=metrics.get("samples_per_second"),
         resumed_from_epoch=metrics.get("resumed_from_epoch"),
-        model={"name": cfg.model, "in_features": dataset.in_features, "out_features": dataset.out_features,
-               **{k: v for k, v in cfg.model_options.items() if v is not None}},
+        model=model_record(cfg, dataset),
         config={**asdict(cfg), "name": prepared.name, **extra_config},
         run_dir=prepared.run_dir,
         worker_nodes=metrics.get("worker_nodes"),
@@ -116,11 +150,21 @@ def finish(
         bytes_read=metrics.get("bytes_read", dataset.file_bytes if dataset.ingest == "memory" else None),
         data_wait_fraction=metrics.get("data_wait_fraction"),
         precision=cfg.precision,
+        task=dataset.task,
+        **validation_summary(prepared, final),
         extra=extra or {},
     )
     storage.write(storage.join(prepared.run_dir, "model.pt"), lambda stream: torch.save(final.model, stream))
     storage.write_bytes(storage.join(prepared.run_dir, "summary.json"), summary.to_json().encode())
     return summary
+
+
+def validation_summary(prepared: PreparedRun, final: TrainState) -> dict[str, Any]:
+    if prepared.val_dataset is None:
+        return {}
+    classification = prepared.val_dataset.task == "classification"
+    return {"val_losses": list(final.val_losses), "val_accuracy": list(final.val_accuracy) if classification else None,
+            "best_epoch": best_epoch(final.val_losses)}
 
 
 def record_failure(run_dir: str, reason: str) -> None:

@@ -18,7 +18,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from models import build_model, split_into_stages
+from models import split_into_stages
 from ray_jobs.checkpoint import (
     TrainState,
     load_named_optimizer_state,
@@ -33,7 +33,7 @@ from ray_jobs.errors import described
 from ray_jobs.readings import peak_rss_bytes
 from ray_jobs.schedules import FORWARD, SCHEDULES, peak_live_activations
 from ray_jobs.stream import open_source
-from ray_jobs.training import autocast, build_optimizer, grad_scaler, loss_function, microbatches, rank_seed
+from ray_jobs.training import autocast, build_optimizer, grad_scaler, loss_function, make_model, microbatches, rank_seed
 
 # Receives posted ahead of need (p2p transport), at least; see ``receives_ahead``.
 MIN_RECEIVES_AHEAD = 2
@@ -64,6 +64,7 @@ class StageWorker:
         use_gpu: bool,
         device_transport: bool = False,
         reader=None,
+        model_factory=None,
     ) -> None:
         cfg = TrainConfig(**train)
         torch.set_num_threads(num_threads)
@@ -74,7 +75,7 @@ class StageWorker:
         self.stage_index, self.num_stages, self.seed, self.precision = stage_index, num_stages, cfg.seed, cfg.precision
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.num_microbatches = num_microbatches
-        stages = meta_stages(cfg, dataset, num_stages)
+        stages = meta_stages(cfg, dataset, num_stages, model_factory)
         # What crosses each cut, per row: a receiver must know the shape before the bytes arrive.
         self.boundary_shapes = _boundary_shapes(stages, dataset.in_features)
         # Only this stage's layers ever get memory: the whole model exists on the meta device.
@@ -316,16 +317,16 @@ def mark_overflow(grads: list[torch.Tensor]) -> None:
     grads[0].view(-1)[0] = float("inf")
 
 
-def meta_stages(cfg: TrainConfig, dataset, num_stages: int) -> list[torch.nn.Module]:
+def meta_stages(cfg: TrainConfig, dataset, num_stages: int, model_factory=None) -> list[torch.nn.Module]:
     """The model cut into stages on the meta device: shapes and names, no memory."""
     with torch.device("meta"):
-        model = build_model(cfg.model, dataset.in_features, dataset.out_features, **cfg.model_options)
+        model = make_model(cfg, dataset, model_factory)
     return split_into_stages(model, num_stages)
 
 
-def stage_keys(cfg: TrainConfig, dataset, num_stages: int) -> list[set[str]]:
+def stage_keys(cfg: TrainConfig, dataset, num_stages: int, model_factory=None) -> list[set[str]]:
     """Each stage's ``state_dict`` keys: what of a full state each stage is sent."""
-    return [set(stage.state_dict()) for stage in meta_stages(cfg, dataset, num_stages)]
+    return [set(stage.state_dict()) for stage in meta_stages(cfg, dataset, num_stages, model_factory)]
 
 
 def _new_timing() -> dict[str, float]:

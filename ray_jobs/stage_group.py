@@ -73,7 +73,7 @@ class StageGroup:
         return actor_cls.remote(
             index, self.scaling.num_stages, self.scaling.num_microbatches, asdict(prepared.cfg), dataset,
             initial_slice, max(1, int(self.scaling.cpus_per_stage)), self.scaling.use_gpu, device_transport,
-            self.reader,
+            self.reader, prepared.model_factory,
         )
 
     def gather_state(self) -> tuple[dict, dict, list, dict | None]:

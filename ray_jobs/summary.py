@@ -28,6 +28,14 @@ class TrainSummary:
     (world rank 0's; the stages' share of their time in a pipeline); 0 in memory."""
     precision: str = "fp32"
     """``--precision``: the autocast dtype of the forward and loss (weights stay float32)."""
+    task: str | None = None
+    """``regression`` or ``classification``, as the data decided it (``predict`` needs it)."""
+    val_losses: list[float] | None = None
+    """``--val-data``: the validation loss after each epoch (None without it)."""
+    val_accuracy: list[float] | None = None
+    """``--val-data``: the validation accuracy after each epoch (None for regression)."""
+    best_epoch: int | None = None
+    """``--val-data``: the 1-based epoch with the lowest validation loss, whose weights are best_model.pt."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
@@ -43,6 +51,13 @@ class TrainSummary:
         return f"{self.resumed_from_epoch}, step {self.resumed_from_step}" if self.resumed_from_step else \
             str(self.resumed_from_epoch)
 
+    def _validation_rows(self) -> list[tuple[str, str]]:
+        if not self.val_losses:
+            return []
+        best = self.best_epoch
+        accuracy = f", accuracy {self.val_accuracy[best - 1]:.4f}" if self.val_accuracy else ""
+        return [("best validation", f"epoch {best}: loss {self.val_losses[best - 1]:.6f}{accuracy}")]
+
     def table(self) -> str:
         """A short human-readable result table."""
         rows = [
@@ -50,6 +65,7 @@ class TrainSummary:
             ("world size", self.world_size),
             ("epochs completed", self.epochs_completed),
             ("first / last loss", f"{self.losses[0]:.6f} / {self.losses[-1]:.6f}" if self.losses else "-"),
+            *self._validation_rows(),
             ("samples/s", f"{self.samples_per_second:,.0f}" if self.samples_per_second else "-"),
             ("precision", self.precision),
             ("resumed from epoch", self._resumed()),

@@ -70,6 +70,8 @@ def _fit(prepared: PreparedRun, scaling: WorkerScaling, wrap, reader, faults: di
         num_threads=max(1, int(scaling.cpus_per_worker)),
         run_dir=storage.locate(prepared.run_dir),  # the driver's filesystem settings travel with it
         reader=reader,
+        model_factory=prepared.model_factory,
+        val_dataset=ray.put(prepared.val_dataset) if prepared.val_dataset is not None else None,
         **faults,
     )
     trainer = TorchTrainer(

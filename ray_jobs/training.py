@@ -8,12 +8,13 @@ from __future__ import annotations
 import contextlib
 import io
 import math
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-from models import build_model
+from models import build_model, not_reproducible_layers
 from ray_jobs.config import TrainConfig
 from ray_jobs.data import Dataset
 
@@ -120,10 +121,27 @@ def check_batch_fits(cfg: TrainConfig, dataset: Dataset) -> None:
         )
 
 
-def initial_model(cfg: TrainConfig, dataset: Dataset) -> nn.Module:
+def make_model(cfg: TrainConfig, dataset, factory: Callable[..., nn.Module] | None = None) -> nn.Module:
+    """The run's model, freshly initialised; ``factory``: a user model's callable as the driver
+    resolved it (workers that cannot import the user's module get it by value)."""
+    return build_model(cfg.model, dataset.in_features, dataset.out_features, factory=factory, **cfg.model_options)
+
+
+def warn_not_reproducible(cfg: TrainConfig, dataset, factory, strategy: str, synced: tuple[type, ...] = ()) -> None:
+    """One warning naming the layers with which ``strategy`` trains, but cannot reproduce the
+    single-process weights (``synced``: layer types the strategy makes exact, SyncBatchNorm's)."""
+    with torch.device("meta"):
+        model = make_model(cfg, dataset, factory)
+    found = [f"{layer} {why}" for layer, why, kind in not_reproducible_layers(model) if not issubclass(kind, synced)]
+    if found:
+        warnings.warn(f"{strategy} trains this model but cannot match single-process weights: "
+                      f"{'; '.join(found)}", stacklevel=2)
+
+
+def initial_model(cfg: TrainConfig, dataset: Dataset, factory: Callable[..., nn.Module] | None = None) -> nn.Module:
     """The run's starting weights: ``--init-from`` if given, else ``manual_seed(seed)`` then build."""
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.model, dataset.in_features, dataset.out_features, **cfg.model_options)
+    model = make_model(cfg, dataset, factory)
     if cfg.init_from is not None:
         state = load_state_dict_file(cfg.init_from)
         try:

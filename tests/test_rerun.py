@@ -24,6 +24,8 @@ CHANGES = {
     "task": (["--task", "regression"], "--task auto -> regression"),
     "num_classes": (["--num-classes", "3"], "--num-classes (unset) -> 3"),
     "model": (["--model", "mlp"], "--model seed-mlp -> mlp"),
+    "val_data": (["--val-data", "OTHER"], "--val-data (unset) -> {other}"),
+    "model_option": (["--model", "mlp", "--model-option", "depth=3"], "--model-option [] -> ['depth=3']"),
     "hidden": (["--hidden", "9"], "--hidden 8 -> 9"),
     "depth": (["--model", "mlp", "--depth", "3"], "--depth (unset) -> 3"),  # seed-mlp has no depth
     "dropout": (["--model", "mlp", "--dropout", "0.1"], "--dropout (unset) -> 0.1"),

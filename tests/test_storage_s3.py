@@ -51,6 +51,8 @@ def test_everything_through_a_uri_with_query_options(ray_cluster, s3_endpoint, b
     weights = torch.load(io.BytesIO(storage.read_bytes(storage.join(summary.run_dir, "model.pt"))), weights_only=True)
     assert_same_weights(weights, reference_for(with_(cfg, data=regression_data, init_from=None), init_state=init)[0])
     assert storage.exists(f"s3://{bucket}/runs/query/summary.json{query}")
+    # TensorBoard's event file, written locally by world rank 0 and copied into the bucket each epoch
+    assert storage.list_dir(f"s3://{bucket}/runs/query/tensorboard{query}")
 
 
 @pytest.mark.ray
