@@ -14,7 +14,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayError
 
-from ray_jobs.config import ArgumentParser, TrainConfig, add_flags, flag_group, from_args
+from ray_jobs.config import ADDRESS_HELP, ArgumentParser, TrainConfig, add_flags, flag_group, from_args
 from ray_jobs.errors import TrainingFailed, root_cause
 from ray_jobs.interrupts import run_until_interrupted
 from ray_jobs.resume import AlreadyComplete
@@ -34,9 +34,7 @@ def entry_point(
     add_flags(parser, TrainConfig)
     add_flags(parser, scaling_cls, "placement")
     flag_group(parser, "placement").add_argument(
-        "--address", default=None,
-        help="Ray cluster to join: host:port of its head, or auto for the one `ray start` runs on this machine "
-             "(default: RAY_ADDRESS, else a new local Ray)")
+        "--address", default=None, help=ADDRESS_HELP)
     args = parser.parse_args(argv)
     try:
         cfg, scaling = from_args(TrainConfig, args), from_args(scaling_cls, args)

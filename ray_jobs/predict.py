@@ -11,9 +11,9 @@ import sys
 from dataclasses import dataclass, field
 
 from ray_jobs.cli import exit_process
-from ray_jobs.config import ArgumentParser, add_flags, flag_doc, flag_group, from_args, require, require_choice
+from ray_jobs.config import ADDRESS_HELP, ArgumentParser, add_flags, flag_doc, flag_group, from_args, require, require_choice
 from ray_jobs.inference import WEIGHTS, check_input, load_run, predict
-from ray_jobs.session import connect
+from ray_jobs.session import connect, reachable
 
 
 @dataclass
@@ -46,10 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m ray_jobs.predict", description=__doc__)
     add_flags(parser, PredictConfig, "placement")
     flag_group(parser, "placement").add_argument(
-        "--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else a new local Ray)")
+        "--address", default=None, help=ADDRESS_HELP)
     args = parser.parse_args(argv)
     try:
         cfg = from_args(PredictConfig, args)
+        reachable(args.address)  # a wrong address fails in seconds, before the model is read
         trained = load_run(cfg.run_dir, cfg.checkpoint)
         filesystem, files = check_input(cfg.data, cfg.feature_column, trained.record["in_features"])
         connect(args.address)

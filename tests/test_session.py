@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from ray_jobs import ddp, dp, pipeline, session
+from ray_jobs import ddp, dp, pipeline, predict, session
 from ray_jobs.bench import run as bench
 from tests.helpers import REPO
 
-ENTRY_POINTS = {"ddp": ddp.main, "dp": dp.main, "pipeline": pipeline.main, "bench": bench.main}
+ENTRY_POINTS = {"ddp": ddp.main, "dp": dp.main, "pipeline": pipeline.main, "bench": bench.main,
+                # predict has no --storage-path: it writes only --out
+                "predict": lambda argv: predict.main([*argv[:2], "--run-dir", "runs/x", "--data", "x", "--out", "x"])}
 
 
 def closed_port() -> int:

@@ -34,7 +34,7 @@ from ray_jobs.bench.plots import write_plots
 from ray_jobs.bench.report import render
 from ray_jobs.bench.stats import targets
 from ray_jobs.bench.suites import SUITES, Suite
-from ray_jobs.config import ArgumentParser
+from ray_jobs.config import ADDRESS_HELP, ArgumentParser
 
 
 def machine_info() -> dict[str, Any]:
@@ -127,8 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--storage-path", default=None,
                         help="where the benchmarked runs write checkpoints; shared storage on a multi-node "
                              "cluster (default: a temporary local folder, deleted at the end)")
-    parser.add_argument("--address", default=None,
-                        help="Ray cluster to join (default: RAY_ADDRESS, else a new local one)")
+    parser.add_argument("--address", default=None, help=ADDRESS_HELP)
     parser.add_argument("--render", metavar="DIR", default=None,
                         help="measure nothing: write DIR/bench.md and the plots anew from DIR/bench.json "
                              "(after installing matplotlib, or after a change to the report)")
