@@ -288,11 +288,11 @@ def print_usage(state_dir: Path, state: dict, num_nodes: int) -> None:
 # ---- status --------------------------------------------------------------------------------
 
 
-def fetch_nodes(state: dict) -> list[dict]:
-    """Nodes as Ray's state API lists them, asked with the cluster's token."""
+def fetch_nodes(state: dict, what: str = "nodes") -> list[dict]:
+    """Nodes (or ``what`` else Ray's state API lists: ``actors``, ...), asked with the cluster's token."""
     token = Path(state["token_path"]).read_text().strip()
     request = urllib.request.Request(
-        f"{state['dashboard_url']}/api/v0/nodes?limit=1000", headers={"Authorization": f"Bearer {token}"}
+        f"{state['dashboard_url']}/api/v0/{what}?limit=1000", headers={"Authorization": f"Bearer {token}"}
     )
     try:
         with urllib.request.urlopen(request, timeout=10) as response:

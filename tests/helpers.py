@@ -1,6 +1,7 @@
 """Helpers shared by the distributed tests."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -102,6 +103,19 @@ def cluster_cli(*argv: str, timeout: float = 180) -> subprocess.CompletedProcess
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     return subprocess.run([sys.executable, "-m", "cluster.local", *argv], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+@contextlib.contextmanager
+def running_cluster(state_dir: str, *argv: str):
+    """``cluster.local up`` with ``argv`` (checked to start), always stopped afterwards, even when
+    the test fails; yields ``up``'s result and its ports."""
+    try:
+        started, ports = cluster_up(state_dir, *argv)
+        assert started.returncode == 0, started.stdout + started.stderr
+        yield started, ports
+    finally:
+        stopped = cluster_cli("down", "--state-dir", state_dir, "--timeout", "15")
+        assert stopped.returncode == 0, stopped.stderr
 
 
 def cluster_up(state_dir: str, *argv: str, attempts: int = 3) -> tuple[subprocess.CompletedProcess, list[str]]:

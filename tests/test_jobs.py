@@ -15,7 +15,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 
 from cluster import local
 from ray_jobs.config import TrainConfig
-from tests.helpers import REPO, assert_same_weights, cluster_cli, cluster_up, load_weights, reference_for
+from tests.helpers import REPO, assert_same_weights, load_weights, reference_for, running_cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -26,13 +26,8 @@ JOB_TIMEOUT_S = 240
 def cluster_state(tmp_path_factory):
     """Two worker nodes of 2 logical CPUs each: room for PACK (both workers on one node)."""
     state_dir = str(tmp_path_factory.mktemp("jobs-cluster"))
-    try:
-        started, _ = cluster_up(state_dir, "--num-nodes", "2", "--cpus-per-node", "2")
-        assert started.returncode == 0, started.stdout + started.stderr
+    with running_cluster(state_dir, "--num-nodes", "2", "--cpus-per-node", "2"):
         yield local.load_state(Path(state_dir))
-    finally:
-        stopped = cluster_cli("down", "--state-dir", state_dir, "--timeout", "15")
-        assert stopped.returncode == 0, stopped.stderr
 
 
 @pytest.fixture(scope="module")

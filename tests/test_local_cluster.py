@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import cluster_cli, cluster_up
+from tests.helpers import cluster_cli, running_cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -22,13 +22,8 @@ pytestmark = pytest.mark.cluster
 def local_cluster(tmp_path):
     """A head and two 1-CPU worker nodes, always stopped afterwards, even when the test fails."""
     state_dir = str(tmp_path / "state")
-    try:
-        started, ports = cluster_up(state_dir, "--num-nodes", "2", "--cpus-per-node", "1")
-        assert started.returncode == 0, started.stdout + started.stderr
+    with running_cluster(state_dir, "--num-nodes", "2", "--cpus-per-node", "1") as (started, ports):
         yield state_dir, started.stdout, ports
-    finally:
-        stopped = cluster_cli("down", "--state-dir", state_dir, "--timeout", "15")
-        assert stopped.returncode == 0, stopped.stderr
 
 
 def http_status(url: str, token: str | None = None) -> int:

@@ -12,14 +12,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from cluster import local
 from ray_jobs.config import TrainConfig
-from tests.helpers import REPO, assert_same_weights, cluster_cli, cluster_up, load_weights, reference_for
+from tests.helpers import REPO, assert_same_weights, cluster_cli, load_weights, reference_for, running_cluster
 
 pytestmark = pytest.mark.cluster
 
@@ -30,21 +29,8 @@ WAIT_S = 300  # a bound against hangs: Ray marks a lost node dead ~15 s after it
 def cluster_state(tmp_path_factory):
     """Three worker nodes of one CPU each, so a lost node's share is visible in the worker count."""
     state_dir = str(tmp_path_factory.mktemp("node-loss-cluster"))
-    try:
-        started, _ = cluster_up(state_dir, "--num-nodes", "3", "--cpus-per-node", "1")
-        assert started.returncode == 0, started.stdout + started.stderr
+    with running_cluster(state_dir, "--num-nodes", "3", "--cpus-per-node", "1"):
         yield {**local.load_state(Path(state_dir)), "state_dir": state_dir}
-    finally:
-        stopped = cluster_cli("down", "--state-dir", state_dir, "--timeout", "15")
-        assert stopped.returncode == 0, stopped.stderr
-
-
-def state_api(state: dict, what: str) -> list[dict]:
-    token = Path(state["token_path"]).read_text().strip()
-    request = urllib.request.Request(f"{state['dashboard_url']}/api/v0/{what}?limit=1000",
-                                     headers={"Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.load(response)["data"]["result"]["result"]
 
 
 def alive_worker_nodes(state: dict) -> list[str]:
@@ -52,7 +38,7 @@ def alive_worker_nodes(state: dict) -> list[str]:
     marked dead ~15 s after it went)."""
     running = sorted(node["ip"] for node in state["nodes"] if node["ip"] != local.HEAD_NODE_IP and local.group_alive(node))
     deadline = time.monotonic() + WAIT_S
-    while (seen := sorted(n["node_ip"] for n in state_api(state, "nodes")
+    while (seen := sorted(n["node_ip"] for n in local.fetch_nodes(state)
                           if n["state"] == "ALIVE" and not n["is_head_node"])) != running:
         assert time.monotonic() < deadline, (seen, running)
         time.sleep(0.5)
@@ -60,8 +46,8 @@ def alive_worker_nodes(state: dict) -> list[str]:
 
 
 def nodes_hosting(state: dict, class_name: str) -> list[str]:
-    ips = {n["node_id"]: n["node_ip"] for n in state_api(state, "nodes")}
-    return sorted({ips[a["node_id"]] for a in state_api(state, "actors")
+    ips = {n["node_id"]: n["node_ip"] for n in local.fetch_nodes(state)}
+    return sorted({ips[a["node_id"]] for a in local.fetch_nodes(state, "actors")
                    if a["class_name"] == class_name and a["state"] == "ALIVE"})
 
 
