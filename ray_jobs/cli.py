@@ -19,7 +19,7 @@ from ray_jobs.errors import TrainingFailed, root_cause
 from ray_jobs.interrupts import run_until_interrupted
 from ray_jobs.resume import AlreadyComplete
 from ray_jobs.runner import PreparedRun, prepare
-from ray_jobs.session import connect, reachable
+from ray_jobs.session import join, reachable
 from ray_jobs.summary import TrainSummary
 
 
@@ -39,11 +39,11 @@ def entry_point(
     try:
         cfg, scaling = from_args(TrainConfig, args), from_args(scaling_cls, args)
         scaling.check(cfg)
-        reachable(args.address)  # a wrong address fails in seconds, before the data is read
+        target = reachable(args.address)  # a wrong address fails in seconds, before the data is read
         prepared = prepare(cfg, strategy)
         if hasattr(scaling, "check_model"):  # what needs the data's widths (a user's model), still before Ray
             scaling.check_model(prepared)
-        connect(args.address)
+        join(target, args.address)
         # After connecting, since Ray's core installs its own SIGTERM handler: SIGTERM (ray job
         # stop, kill, a scheduler) then ends the run like Ctrl-C.
         summary = run_until_interrupted(lambda: run(prepared, scaling))

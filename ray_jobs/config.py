@@ -20,10 +20,10 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
-# The --help sections, in this order; the README's flag reference uses the same ones.
 # Every entry point's --address (the flag is not a dataclass field: resume ignores it).
 ADDRESS_HELP = ("Ray cluster to join: host:port of its head, or auto for the one `ray start` runs on this machine "
                 "(default: RAY_ADDRESS, else a new local Ray)")
+# The --help sections, in this order; the README's flag reference uses the same ones.
 FLAG_GROUPS = ("data", "model", "training", "pipeline", "placement", "checkpoints", "ingest")
 
 

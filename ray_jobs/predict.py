@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from ray_jobs.cli import exit_process
 from ray_jobs.config import ADDRESS_HELP, ArgumentParser, add_flags, flag_doc, flag_group, from_args, require, require_choice
 from ray_jobs.inference import WEIGHTS, check_input, load_run, predict
-from ray_jobs.session import connect, reachable
+from ray_jobs.session import join, reachable
 
 
 @dataclass
@@ -50,10 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = from_args(PredictConfig, args)
-        reachable(args.address)  # a wrong address fails in seconds, before the model is read
+        target = reachable(args.address)  # a wrong address fails in seconds, before the model is read
         trained = load_run(cfg.run_dir, cfg.checkpoint)
         filesystem, files = check_input(cfg.data, cfg.feature_column, trained.record["in_features"])
-        connect(args.address)
+        join(target, args.address)
         rows = predict(trained, filesystem, files, cfg.out, cfg.feature_column, cfg.batch_size, cfg.num_workers,
                        cfg.use_gpu)
     except ValueError as error:

@@ -25,9 +25,15 @@ def connect(address: str | None = None) -> None:
 
     Raises ``ValueError`` (one line: the address and what to check) when the address does not
     answer within ``PROBE_TIMEOUT_S + JOIN_TIMEOUT_S``."""
+    if not ray.is_initialized():
+        join(reachable(address), address)
+
+
+def join(target: str | None, address: str | None = None) -> None:
+    """``connect`` for an address ``reachable`` already checked (``target``; None: a local Ray),
+    so an entry point that checks first does not probe it twice."""
     if ray.is_initialized():
         return
-    target = reachable(address)
     if target is None:
         start_local()
         return
