@@ -1,11 +1,12 @@
-"""A multi-node Ray cluster on one machine: ``python -m cluster.local up|status|preempt|down``.
+"""A multi-node Ray cluster on one machine: ``python -m cluster.local up|status|preempt|rejoin|down``.
 
 Each node is one ``ray start --block`` process in its own process group, on its own loopback
 address (head 127.0.0.2, worker i 127.0.0.(i+3)), so Ray sees distinct nodes: node ranks differ
 and SPREAD placement behaves as on real machines. The dashboard and job API listen on
 127.0.0.1 only, token authentication is on, and ``down`` signals only the process groups that
 ``up`` recorded: never ``ray stop``, which would also stop every other Ray on the machine.
-``preempt`` kills one worker node's every process at once, as a spot preemption would.
+``preempt`` kills one worker node's every process at once, as a spot preemption would, and
+``rejoin`` starts it again, as an autoscaler would replace it.
 """
 from __future__ import annotations
 
@@ -211,13 +212,16 @@ def start_nodes(args: argparse.Namespace, state_dir: Path, state: dict) -> None:
         "--dashboard-host", HEAD_IP, "--dashboard-port", str(args.dashboard_port),
         "--ray-client-server-port", str(free_port()),
     ]
-    worker = ["--address", state["address"]]
-    worker += ["--resources", state["resources"]] if state["resources"] else []
-    plan = [(HEAD_NODE_IP, args.head_cpus, head)] + [(ip, args.cpus_per_node, worker) for ip in worker_ips(args.num_nodes)]
+    plan = [(HEAD_NODE_IP, args.head_cpus, head)] + [(ip, args.cpus_per_node, worker_flags(state))
+                                                    for ip in worker_ips(args.num_nodes)]
     for ip, num_cpus, extra in plan:
         node = launch(node_command(ip, temp_dir, num_cpus, extra), env, state_dir / "logs" / f"node-{ip}.log")
-        state["nodes"].append({"ip": ip, **node})
+        state["nodes"].append({"ip": ip, "num_cpus": num_cpus, **node})
         save_state(state_dir, state)
+
+
+def worker_flags(state: dict) -> list[str]:
+    return ["--address", state["address"], *(["--resources", state["resources"]] if state["resources"] else [])]
 
 
 def up(args: argparse.Namespace) -> int:
@@ -392,15 +396,19 @@ def session_members(session_id: int) -> list[int]:
     return members
 
 
+def worker_node(state: dict, ip: str) -> dict:
+    workers = {node["ip"]: node for node in state["nodes"] if node["ip"] != HEAD_NODE_IP}
+    if ip not in workers:
+        raise UserError(f"--node {ip} is not a worker node of this cluster; worker nodes: "
+                        f"{', '.join(workers) or 'none'} (the head holds the GCS: losing it ends the cluster)")
+    return workers[ip]
+
+
 def preempt(args: argparse.Namespace) -> int:
     """SIGKILL every process of one worker node at once, as a spot preemption or a hardware loss
     would: no drain, no goodbye to the GCS. The rest of the cluster stays up."""
     state = require_state(Path(args.state_dir).resolve())
-    workers = {node["ip"]: node for node in state["nodes"] if node["ip"] != HEAD_NODE_IP}
-    node = workers.get(args.node)
-    if node is None:
-        raise UserError(f"--node {args.node} is not a worker node of this cluster; worker nodes: "
-                        f"{', '.join(workers) or 'none'} (the head holds the GCS: losing it ends the cluster)")
+    node = worker_node(state, args.node)
     if not group_alive(node):
         raise UserError(f"node {args.node} is not running")
     members = session_members(node["pgid"])
@@ -409,6 +417,38 @@ def preempt(args: argparse.Namespace) -> int:
             os.kill(pid, signal.SIGKILL)
     print(f"preempted node {args.node}: killed {len(members)} processes; Ray marks it dead within ~15 s")
     return 0
+
+
+def rejoin(args: argparse.Namespace) -> int:
+    """Start a lost worker node again, on its address with its CPUs and resources, as a cloud
+    autoscaler replaces a preempted spot instance; Ray sees a new node."""
+    state_dir = Path(args.state_dir).resolve()
+    state = require_state(state_dir)
+    node = worker_node(state, args.node)
+    if group_alive(node):
+        raise UserError(f"node {args.node} is running; only a lost node rejoins (see `preempt`)")
+    if not group_alive(next(n for n in state["nodes"] if n["ip"] == HEAD_NODE_IP)):
+        raise UserError(f"the head of the cluster recorded in {state_dir} is not running; start a new one with `up`")
+    starts = node.get("starts", 1) + 1
+    log = state_dir / "logs" / f"node-{args.node}-{starts}.log"  # a fresh log, for its started marker
+    command = node_command(args.node, Path(state["temp_dir"]), node["num_cpus"], worker_flags(state))
+    node.update(launch(command, ray_env(state), log), starts=starts)
+    save_state(state_dir, state)
+    wait_for_node(state, node, args.timeout)
+    print(f"node {args.node} rejoined {state['address']} with {node['num_cpus']} CPU")
+    return 0
+
+
+def wait_for_node(state: dict, node: dict, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not group_alive(node):
+            raise UserError(f"node {node['ip']} exited while starting; see {node['log']}")
+        started = STARTED_MARKER in Path(node["log"]).read_text()
+        if started and any(n["node_ip"] == node["ip"] and n["state"] == "ALIVE" for n in fetch_nodes(state)):
+            return
+        time.sleep(1)
+    raise UserError(f"timed out after {timeout:.0f} s waiting for node {node['ip']} to join; see {node['log']}")
 
 
 # ---- command line --------------------------------------------------------------------------
@@ -441,6 +481,11 @@ def build_parser() -> argparse.ArgumentParser:
                                help="kill one worker node's every process at once, as a spot preemption would")
     lose.add_argument("--node", required=True, help="the worker node's IP, as `status` lists it (e.g. 127.0.0.3)")
     lose.set_defaults(run=preempt)
+    back = commands.add_parser("rejoin", parents=[common],
+                               help="start a lost worker node again, as an autoscaler replaces a preempted one")
+    back.add_argument("--node", required=True, help="the lost worker node's IP (e.g. 127.0.0.3)")
+    back.add_argument("--timeout", type=float, default=60, help="seconds to wait for it to join (default: 60)")
+    back.set_defaults(run=rejoin)
     return parser
 
 

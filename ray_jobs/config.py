@@ -194,6 +194,10 @@ class WorkerScaling:
         "elastic run (DDP): after losing workers or nodes, resume on as many workers as the cluster can "
         "place, at least this many, and grow back to --num-workers when nodes return; the global batch "
         "and the trained weights stay the same", default_text="--num-workers: not elastic"))
+    resize_interval: float | None = field(default=None, metadata=flag_doc(
+        "elastic run: seconds between the looks a healthy run takes for room to grow back; growing "
+        "restarts the workers from the newest checkpoint, so work since it is redone",
+        default_text="Ray Train's 60"))
     sync_batchnorm: bool = field(default=False, metadata=flag_doc(
         "convert the model's BatchNorm layers to SyncBatchNorm, which normalises over the global batch "
         "(CUDA only, so it needs --use-gpu)", "model"))
@@ -206,6 +210,10 @@ class WorkerScaling:
         if self.min_workers is not None:
             require(1 <= self.min_workers <= self.num_workers, "min_workers", self.min_workers,
                     f"between 1 and --num-workers {self.num_workers}")
+        if self.resize_interval is not None:
+            require(self.resize_interval > 0, "resize_interval", self.resize_interval, "positive")
+            if not self.elastic:
+                raise ValueError("--resize-interval applies to an elastic run: give --min-workers below --num-workers")
         require(self.cpus_per_worker > 0, "cpus_per_worker", self.cpus_per_worker, "positive")
         if self.gpus_per_worker is not None:
             require(self.gpus_per_worker > 0, "gpus_per_worker", self.gpus_per_worker, "positive")

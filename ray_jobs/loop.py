@@ -10,7 +10,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -79,10 +79,10 @@ class LoopConfig:
     """``--model``'s callable as the driver resolved it (``PreparedRun.model_factory``)."""
     val_dataset: ray.ObjectRef | None = None
     """``--val-data`` in memory, else None."""
-    hold_at_epoch: int | None = None
-    """Fault injection for tests: on a run not resumed from a checkpoint, every rank waits at this
-    epoch's start, after the previous epoch's checkpoint, until ``hold_until`` exists."""
-    hold_until: str = ""
+    holds: list[tuple[int, str]] = field(default_factory=list)
+    """Fault injection for tests: ``(epoch, path)`` pairs; every rank of an attempt that reaches
+    that epoch's start by training (not by resuming there), after the previous epoch's checkpoint,
+    waits until ``path`` exists."""
 
 
 def train_loop_per_worker(raw: dict[str, Any]) -> None:
@@ -108,8 +108,8 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
         resuming = start is not None and epoch == start.epochs_completed
         first_step, done = (start.step, list(start.step_losses)) if resuming else (0, [])
         began, cpu = time.perf_counter(), cpu_times()
-        if loop.hold_at_epoch == epoch and start is None:
-            hold(loop.hold_until)
+        for path in (path for at, path in loop.holds if at == epoch and not resuming):
+            hold(path)
         with described(f"world rank {worker.world_rank}"):  # only this rank knows where it failed
             if loop.fail_at_epoch == epoch and worker.world_rank == worker.world_size - 1:
                 raise RuntimeError("injected fault")

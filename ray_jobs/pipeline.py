@@ -247,9 +247,11 @@ def _checkpoint(stages: StageGroup, prepared: PreparedRun, state: TrainState, ga
 def _inject(stages: StageGroup, attempt: Attempt, faults: dict, epoch: int, steps: range) -> None:
     """Tests' faults, in the last stage, in the first attempt: before the segment of
     ``crash_at_epoch`` / ``fail_at_epoch`` that holds step ``crash_at_step`` (default 0); or the
-    driver waits at ``hold_at_epoch``'s start until the file ``hold_until`` exists."""
-    if faults.get("hold_at_epoch") == epoch and attempt.resumed_from_epoch is None and steps.start == 0:
-        hold(faults["hold_until"])
+    driver waits at the start of each ``holds`` ``(epoch, path)`` it reaches by training (not by
+    resuming there) until ``path`` exists."""
+    for at, path in faults.get("holds", []):
+        if at == epoch and attempt.resumed_from_epoch != epoch and steps.start == 0:
+            hold(path)
     fault = {faults.get("crash_at_epoch"): "crash", faults.get("fail_at_epoch"): "fail_next_forward"}.get(epoch)
     if fault and attempt.resumed_from_epoch is None and faults.get("crash_at_step", 0) in steps:
         getattr(stages.actors[-1], fault).remote()

@@ -83,6 +83,7 @@ def _fit(prepared: PreparedRun, scaling: WorkerScaling, wrap, reader, faults: di
             use_gpu=scaling.use_gpu,
             resources_per_worker=scaling.resources_per_worker,
             placement_strategy=scaling.placement_strategy,
+            **({"elastic_resize_monitor_interval_s": scaling.resize_interval} if scaling.resize_interval else {}),
         ),
         run_config=RunConfig(
             name=prepared.name,

@@ -61,6 +61,12 @@ def test_up_status_auth_down(local_cluster):
     assert http_status(jobs_api, "not-the-token") == 403
     assert http_status(jobs_api, token) == 200
 
+    for node, refusal in (("127.0.0.3", "node 127.0.0.3 is running; only a lost node rejoins"),
+                          ("127.0.0.2", "--node 127.0.0.2 is not a worker node of this cluster")):
+        refused = cluster_cli("rejoin", "--state-dir", state_dir, "--node", node)
+        assert refused.returncode == 2 and refused.stderr.startswith(f"error: {refusal}"), refused.stderr
+        assert refused.stderr.count("\n") == 1  # one line
+
     again = cluster_cli("up", "--state-dir", state_dir, *ports)
     assert again.returncode == 2
     assert again.stderr.strip().splitlines() == [again.stderr.strip()]
