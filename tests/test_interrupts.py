@@ -99,7 +99,9 @@ def test_sigkilled_train_worker_resumes_with_the_reference_weights(ray_cluster, 
     thread.join(timeout=WAIT_S * 2)
     summary = outcome["summary"]
     assert summary.resumed_from_epoch is not None and summary.epochs_completed == 6
-    assert_same_weights(load_weights(summary.run_dir), reference_for(cfg)[0])
+    expected_weights, expected_losses = reference_for(cfg)
+    assert_same_weights(load_weights(summary.run_dir), expected_weights)
+    assert summary.losses == pytest.approx(expected_losses, rel=1e-5)  # the epochs before come from the checkpoint
 
 
 def test_training_workers_holding_every_cpu_do_not_hang(ray_cluster, regression_data, tmp_path):
