@@ -8,7 +8,7 @@ from models.registry import (
     model_factory,
     not_reproducible_layers,
 )
-from models.split import split_into_stages
+from models.split import split_into_stages, unit_names, unit_seconds
 
 __all__ = ["MODELS", "MODEL_OPTIONS", "NamedSequential", "build_model", "is_user_model", "model_factory",
-           "not_reproducible_layers", "split_into_stages"]
+           "not_reproducible_layers", "split_into_stages", "unit_names", "unit_seconds"]

@@ -1,6 +1,10 @@
 """Cut a sequential model into pipeline stages that, run in order, compute exactly ``model(x)``."""
 from __future__ import annotations
 
+import statistics
+import time
+
+import torch
 from torch import nn
 
 from models.registry import NamedSequential
@@ -24,6 +28,31 @@ def _units(model: nn.Sequential) -> list[list[tuple[str, nn.Module]]]:
 
 def _num_params(unit: list[tuple[str, nn.Module]]) -> int:
     return sum(p.numel() for _, child in unit for p in child.parameters())
+
+
+def unit_names(model: nn.Sequential) -> list[list[str]]:
+    """The children's names of each unit a stage boundary may fall between."""
+    return [[name for name, _ in unit] for unit in _units(model)]
+
+
+def unit_seconds(model: nn.Sequential, sample: torch.Tensor, repeats: int = 5) -> list[float]:
+    """Median seconds of each unit's forward and backward over ``sample``, each unit fed the
+    previous one's output, as its stage would be. For ``split_into_stages``'s ``unit_costs`` where
+    compute is not in proportion to parameters (convolutions, wide activations)."""
+    seconds, x = [], sample
+    for unit in _units(model):
+        module = nn.Sequential(*(child for _, child in unit))
+        x = x.detach().requires_grad_(x.is_floating_point())
+        samples = []
+        for _ in range(repeats + 1):  # the first call allocates: not counted
+            began = time.perf_counter()
+            out = module(x)
+            out.backward(torch.ones_like(out))
+            samples.append(time.perf_counter() - began)
+        module.zero_grad(set_to_none=True)
+        seconds.append(statistics.median(samples[1:]))
+        x = out
+    return seconds
 
 
 def _balanced_cuts(weights: list[int], num_stages: int) -> list[int]:
@@ -50,9 +79,10 @@ def _balanced_cuts(weights: list[int], num_stages: int) -> list[int]:
     return cuts[::-1]
 
 
-def split_into_stages(model: nn.Module, num_stages: int) -> list[nn.Module]:
+def split_into_stages(model: nn.Module, num_stages: int, unit_costs: list[float] | None = None) -> list[nn.Module]:
     """Split an ``nn.Sequential`` into ``num_stages`` sequential stages between its top-level
-    children (each child may be any module, nested to any depth), balanced by parameter count.
+    children (each child may be any module, nested to any depth), balanced by parameter count, or
+    by ``unit_costs`` (one per unit of ``unit_names``, e.g. ``unit_seconds``) when given.
 
     The stages share the model's modules and keep their child names, so the union of the
     stages' ``state_dict()`` is the model's ``state_dict()`` with no key rewriting.
@@ -68,7 +98,10 @@ def split_into_stages(model: nn.Module, num_stages: int) -> list[nn.Module]:
             f"--num-stages {num_stages} is more than the model's {len(units)} layers; "
             f"use at most {len(units)} stages or a deeper model (--depth)"
         )
-    starts = _balanced_cuts([_num_params(unit) for unit in units], num_stages) + [len(units)]
+    if unit_costs is not None and len(unit_costs) != len(units):
+        raise ValueError(f"{len(unit_costs)} unit costs for a model of {len(units)} units")
+    costs = unit_costs if unit_costs is not None else [_num_params(unit) for unit in units]
+    starts = _balanced_cuts(costs, num_stages) + [len(units)]
     return [
         NamedSequential(**{name: child for unit in units[starts[k] : starts[k + 1]] for name, child in unit})
         for k in range(num_stages)

@@ -36,7 +36,7 @@ from ray_jobs.pipeline_timing import PipelineTiming
 from ray_jobs.preflight import Request, wait_for_bundles
 from ray_jobs.runner import PreparedRun, finish, hold, record_failure
 from ray_jobs.schedules import SCHEDULES
-from ray_jobs.stage import stage_keys
+from ray_jobs.stage import StageCut, cut_stages, measured_unit_costs, stage_keys
 from ray_jobs.stage_group import StageGroup, StartFailed
 from ray_jobs.summary import TrainSummary
 from ray_jobs.stream import epoch_indices, reader_stats, stream_reader
@@ -51,6 +51,7 @@ from ray_jobs.validation import Validation, is_best, progress, validate, write_b
 # Actor calls (of --batches-per-call batches each) in flight at once; more only holds more
 # activations, the overlap is the same.
 MAX_INFLIGHT_CALLS = 2
+STAGE_BALANCES = ("params", "time")  # what --stage-balance evens out between the stages
 
 
 @dataclass
@@ -79,6 +80,10 @@ class PipelineScaling:
     batch_timeout_s: float = field(
         default=600.0, metadata=flag_doc("fail the run when one global batch takes longer than this (s)", "pipeline")
     )
+    stage_balance: str = field(default="params", metadata=flag_doc(
+        "how the model is cut: params balances the stages' parameter counts; time times each layer's "
+        "forward and backward on the driver's CPU over one micro-batch and balances that, for layers whose "
+        "compute is out of proportion to their parameters (convolutions)", "pipeline", choices=STAGE_BALANCES))
     batches_per_call: int = field(
         default=8,
         metadata=flag_doc("p2p: global batches per actor call; more removes the dispatch gap between batches, "
@@ -90,6 +95,7 @@ class PipelineScaling:
         require(self.batch_timeout_s > 0, "batch_timeout_s", self.batch_timeout_s, "positive")
         require(self.batches_per_call >= 1, "batches_per_call", self.batches_per_call, "at least 1")
         require_choice(self.transport, TRANSPORTS, "transport")
+        require_choice(self.stage_balance, STAGE_BALANCES, "stage_balance")
         require(self.num_stages >= 1, "num_stages", self.num_stages, "at least 1")
         require(self.num_microbatches >= 1, "num_microbatches", self.num_microbatches, "at least 1")
         require(self.cpus_per_stage > 0, "cpus_per_stage", self.cpus_per_stage, "positive")
@@ -120,6 +126,19 @@ class PipelineScaling:
         """Cut the model (on the meta device) with the data's widths: each stage's state_dict keys."""
         return stage_keys(prepared.cfg, prepared.dataset, self.num_stages, prepared.model_factory)
 
+    def cut(self, prepared: PreparedRun) -> StageCut:
+        """How the run's model is cut, by ``--stage-balance``; said on one line when measured."""
+        cfg, dataset, factory = prepared.cfg, prepared.dataset, prepared.model_factory
+        if self.stage_balance == "params":
+            return cut_stages(cfg, dataset, self.num_stages, factory)
+        seconds = measured_unit_costs(cfg, dataset, self.num_microbatches, max(1, int(self.cpus_per_stage)), factory)
+        cut = cut_stages(cfg, dataset, self.num_stages, factory, seconds)
+        by_params = cut_stages(cfg, dataset, self.num_stages, factory)
+        print(f"[raypar] --stage-balance time: stages of children {' | '.join(map(' '.join, cut.children))}; "
+              f"measured {_stage_ms(cut, seconds)} ms per micro-batch and stage "
+              f"(cut by parameters: {_stage_ms(by_params, seconds)})", flush=True)
+        return cut
+
     @property
     def gpus_each(self) -> float | None:
         return self.gpus_per_stage if self.use_gpu else None
@@ -133,6 +152,11 @@ class PipelineScaling:
     def bundles(self) -> list[dict[str, float]]:
         bundle = {"CPU": self.cpus_per_stage, **({"GPU": self.gpus_per_stage} if self.use_gpu else {})}
         return [dict(bundle) for _ in range(self.num_stages)]
+
+
+def _stage_ms(cut: StageCut, unit_seconds: list[float]) -> str:
+    bounds = [sum(cut.num_units[:k]) for k in range(len(cut.num_units) + 1)]
+    return ", ".join(f"{1000 * sum(unit_seconds[a:b]):.2f}" for a, b in zip(bounds, bounds[1:]))
 
 
 def train_epoch(stages: StageGroup, batches: list[torch.Tensor], batch_timeout_s: float) -> list[float]:
@@ -292,11 +316,11 @@ def run(prepared: PreparedRun, scaling: PipelineScaling, crash_at_start: bool = 
 def _attempts(prepared: PreparedRun, scaling: PipelineScaling, reader, crash_at_start: bool,
               faults: dict) -> TrainSummary:
     cfg = prepared.cfg
-    keys = scaling.check_model(prepared)
+    cut = scaling.cut(prepared)
     for failures in range(cfg.max_failures + 1):
         stages = None
         try:
-            stages = StageGroup(prepared, scaling, keys, reader, crash_on_start=crash_at_start and failures == 0)
+            stages = StageGroup(prepared, scaling, cut, reader, crash_on_start=crash_at_start and failures == 0)
             attempt = _start_attempt(stages, prepared, scaling.num_stages)
             while attempt.state.epochs_completed < cfg.epochs:
                 _train_epoch(stages, prepared, attempt, scaling, faults)
@@ -318,6 +342,7 @@ def _finish(prepared: PreparedRun, scaling: PipelineScaling, stages: StageGroup,
             reader) -> TrainSummary:
     extra = {
         "stage_nodes": stages.nodes,
+        "stage_children": stages.cut.children,
         "transport": stages.transport.name,
         "schedule": scaling.schedule,
         "num_stages": scaling.num_stages,

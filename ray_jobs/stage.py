@@ -12,13 +12,14 @@ import os
 import socket
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 import torch
 import torch.distributed as dist
 
-from models import split_into_stages
+from models import split_into_stages, unit_names, unit_seconds
 from ray_jobs.checkpoint import (
     TrainState,
     load_named_optimizer_state,
@@ -65,6 +66,7 @@ class StageWorker:
         device_transport: bool = False,
         reader=None,
         model_factory=None,
+        unit_costs: list[float] | None = None,
     ) -> None:
         cfg = TrainConfig(**train)
         torch.set_num_threads(num_threads)
@@ -75,7 +77,7 @@ class StageWorker:
         self.stage_index, self.num_stages, self.seed, self.precision = stage_index, num_stages, cfg.seed, cfg.precision
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.num_microbatches = num_microbatches
-        stages = meta_stages(cfg, dataset, num_stages, model_factory)
+        stages = meta_stages(cfg, dataset, num_stages, model_factory, unit_costs)
         # What crosses each cut, per row: a receiver must know the shape before the bytes arrive.
         self.boundary_shapes = _boundary_shapes(stages, dataset.in_features)
         # Only this stage's layers ever get memory: the whole model exists on the meta device.
@@ -317,16 +319,56 @@ def mark_overflow(grads: list[torch.Tensor]) -> None:
     grads[0].view(-1)[0] = float("inf")
 
 
-def meta_stages(cfg: TrainConfig, dataset, num_stages: int, model_factory=None) -> list[torch.nn.Module]:
-    """The model cut into stages on the meta device: shapes and names, no memory."""
+def meta_stages(cfg: TrainConfig, dataset, num_stages: int, model_factory=None,
+                unit_costs: list[float] | None = None) -> list[torch.nn.Module]:
+    """The model cut into stages on the meta device: shapes and names, no memory. ``unit_costs``:
+    what the cut balances (``StageCut``), parameter counts when None."""
     with torch.device("meta"):
         model = make_model(cfg, dataset, model_factory)
-    return split_into_stages(model, num_stages)
+    return split_into_stages(model, num_stages, unit_costs)
 
 
-def stage_keys(cfg: TrainConfig, dataset, num_stages: int, model_factory=None) -> list[set[str]]:
+def stage_keys(cfg: TrainConfig, dataset, num_stages: int, model_factory=None,
+               unit_costs: list[float] | None = None) -> list[set[str]]:
     """Each stage's ``state_dict`` keys: what of a full state each stage is sent."""
-    return [set(stage.state_dict()) for stage in meta_stages(cfg, dataset, num_stages, model_factory)]
+    return [set(stage.state_dict()) for stage in meta_stages(cfg, dataset, num_stages, model_factory, unit_costs)]
+
+
+@dataclass
+class StageCut:
+    """How a run's model is cut, decided once on the driver: every attempt's stages cut alike."""
+
+    keys: list[set[str]]
+    """Each stage's ``state_dict`` keys: what of a full state each stage is sent."""
+    children: list[list[str]]
+    """Each stage's top-level children, by name."""
+    num_units: list[int]
+    """How many units (``models.unit_names``) each stage holds."""
+    unit_costs: list[float] | None
+    """What the cut balances, one per unit (``models.unit_names``); None: parameter counts."""
+
+
+def cut_stages(cfg: TrainConfig, dataset, num_stages: int, model_factory=None,
+               unit_costs: list[float] | None = None) -> StageCut:
+    stages = meta_stages(cfg, dataset, num_stages, model_factory, unit_costs)
+    return StageCut([set(stage.state_dict()) for stage in stages], [list(dict(stage.named_children())) for stage in stages],
+                    [len(unit_names(stage)) for stage in stages], unit_costs)
+
+
+def measured_unit_costs(cfg: TrainConfig, dataset, num_microbatches: int, num_threads: int,
+                        model_factory=None) -> list[float]:
+    """Each unit's forward and backward seconds over one micro-batch, on the driver's CPU with a
+    stage's thread count (``--stage-balance time``)."""
+    with torch.random.fork_rng(devices=[]):  # the driver's own draws stay as without the measurement
+        model = make_model(cfg, dataset, model_factory)
+        sample = torch.randn(cfg.batch_size // num_microbatches, dataset.in_features)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        with autocast(cfg.precision, torch.device("cpu")):
+            return unit_seconds(model, sample)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _new_timing() -> dict[str, float]:

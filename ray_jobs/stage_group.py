@@ -11,7 +11,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from ray_jobs.checkpoint import TrainState, merge_named_optimizer_states, slice_state
 from ray_jobs.errors import TrainingFailed
 from ray_jobs.runner import PreparedRun
-from ray_jobs.stage import StageWorker
+from ray_jobs.stage import StageCut, StageWorker
 from ray_jobs.transports import STAGE_FAILURES, TransportFailed, connect, resolve_transport
 
 PROBE_TIMEOUT_S = 10.0  # how long a failed pipeline waits for its stages to answer "are you alive"
@@ -26,10 +26,10 @@ class StageGroup:
     """One placement-group bundle and one ``StageWorker`` actor per stage, and the transport
     between them. A start that fails removes everything it created before raising."""
 
-    def __init__(self, prepared: PreparedRun, scaling, keys: list[set[str]], reader=None,
+    def __init__(self, prepared: PreparedRun, scaling, cut: StageCut, reader=None,
                  crash_on_start: bool = False) -> None:
-        """``keys``: each stage's ``state_dict`` keys (``stage_keys``), what of a full state it is sent."""
-        self.scaling, self.keys, self.reader = scaling, keys, reader
+        """``cut``: how the model is cut (``stage.cut_stages``), the same for every attempt."""
+        self.scaling, self.cut, self.keys, self.reader = scaling, cut, cut.keys, reader
         self.group = placement_group(scaling.bundles, strategy=scaling.placement_strategy)
         self.actors: list = []
         self.nodes: list[str] = []
@@ -73,7 +73,7 @@ class StageGroup:
         return actor_cls.remote(
             index, self.scaling.num_stages, self.scaling.num_microbatches, asdict(prepared.cfg), dataset,
             initial_slice, max(1, int(self.scaling.cpus_per_stage)), self.scaling.use_gpu, device_transport,
-            self.reader, prepared.model_factory,
+            self.reader, prepared.model_factory, self.cut.unit_costs,
         )
 
     def gather_state(self) -> tuple[dict, dict, list, dict | None]:

@@ -144,10 +144,11 @@ def test_sync_batchnorm_needs_a_gpu(capsys):
     assert "--sync-batchnorm needs --use-gpu: SyncBatchNorm runs on CUDA only" in capsys.readouterr().err
 
 
-def run_and_compare(strategy: str, cfg: TrainConfig, size: int) -> dict:
+def run_and_compare(strategy: str, cfg: TrainConfig, size: int, **pipeline_options) -> dict:
     """Train ``cfg`` with ``strategy`` at ``size`` workers or stages; check the weights, the losses and
     every epoch's validation against plain PyTorch; returns the summary record."""
-    scaling = pipeline.PipelineScaling(num_stages=size, num_microbatches=4) if strategy == "pipeline" else None
+    scaling = pipeline.PipelineScaling(num_stages=size, num_microbatches=4, **pipeline_options) \
+        if strategy == "pipeline" else None
     summary = run_strategy(strategy, cfg, size, scaling)
     expected_weights, expected_losses = reference_for(cfg)
     assert_same_weights(load_weights(summary.run_dir), expected_weights)
@@ -249,10 +250,13 @@ def test_dataparallel_trains_a_user_model(ray_cluster, user_cfg):
 
 @pytest.mark.ray
 def test_the_pipeline_cuts_a_user_model_and_validation_survives_a_resume(ray_cluster, user_cfg):
-    """Two epochs on 2 stages, then a re-run of the name on 3 stages trains the third."""
+    """Two epochs on 2 stages, then a re-run of the name on 3 stages, cut by measured time, trains
+    the third: a checkpoint is the whole model's, whatever the cut."""
     first = run_and_compare("pipeline", with_(user_cfg, name="pipe"), 2)
-    resumed = run_and_compare("pipeline", with_(user_cfg, name="pipe", epochs=3), 3)
+    resumed = run_and_compare("pipeline", with_(user_cfg, name="pipe", epochs=3), 3, stage_balance="time")
     assert resumed["resumed_from_epoch"] == 2
+    assert first["stage_children"] == [["0", "1"], ["2", "3"]]  # by parameters: 35 against 30 + 24
+    assert [name for children in resumed["stage_children"] for name in children] == ["0", "1", "2", "3"]
     assert resumed["val_losses"][:2] == first["val_losses"]  # kept from the checkpoint, not recomputed
 
 
