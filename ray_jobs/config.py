@@ -47,8 +47,8 @@ class TrainConfig:
     num_classes: int | None = field(default=None, metadata=flag_doc(
         "classes K (labels 0..K-1)", "data", "the files' raypar.num_classes, else the largest label + 1"))
     val_data: str | None = field(default=None, metadata=flag_doc(
-        "validation Parquet (same columns, read whole into memory): its loss (and accuracy) after every epoch, "
-        "and best_model.pt", "data", "none"))
+        "validation Parquet (same columns; whole in memory or streamed chunk by chunk, as --ingest decides for "
+        "it): its loss (and accuracy) after every epoch, and best_model.pt", "data", "none"))
     # model
     model: str = field(default="seed-mlp", metadata=flag_doc(
         f"a registered model ({', '.join(sorted(MODELS))}), or your own as module.path:callable, imported from "

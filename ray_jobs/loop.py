@@ -78,7 +78,7 @@ class LoopConfig:
     model_factory: Callable[..., nn.Module] | None = None
     """``--model``'s callable as the driver resolved it (``PreparedRun.model_factory``)."""
     val_dataset: ray.ObjectRef | None = None
-    """``--val-data`` in memory, else None."""
+    """``--val-data`` (in memory, or a stream's metadata), else None."""
     holds: list[tuple[int, str]] = field(default_factory=list)
     """Fault injection for tests: ``(epoch, path)`` pairs; every rank of an attempt that reaches
     that epoch's start by training (not by resuming there), after the previous epoch's checkpoint,

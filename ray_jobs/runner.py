@@ -68,10 +68,20 @@ def load_data(cfg: TrainConfig) -> Dataset | StreamDataset:
     return read_dataset(cfg.data, cfg.feature_column, cfg.target_column, cfg.task, cfg.num_classes)
 
 
-def ingest_mode(cfg: TrainConfig) -> tuple[str, str]:
+def load_val_data(cfg: TrainConfig, train: Dataset | StreamDataset) -> Dataset | StreamDataset:
+    """``--val-data`` as ``--ingest`` decides for it (``auto``: by its own size); says which and why."""
+    mode, why = ingest_mode(cfg, cfg.val_data, "--val-data")
+    print(f"[raypar] validation ingest: {mode} ({why})", flush=True)
+    return read_val_data(cfg.val_data, cfg.feature_column, cfg.target_column, train, stream=mode == "stream")
+
+
+def ingest_mode(cfg: TrainConfig, path: str | None = None, flag: str = "--data") -> tuple[str, str]:
     if cfg.ingest != "auto":
         return cfg.ingest, f"--ingest {cfg.ingest}"
-    size = uncompressed_bytes(cfg.data)
+    try:
+        size = uncompressed_bytes(path or cfg.data)
+    except ValueError as error:
+        raise ValueError(str(error).replace("--data", flag, 1)) from None
     limit = cfg.memory_ingest_limit_mb * 2**20
     relation = "at most" if size <= limit else "over"
     return ("memory" if size <= limit else "stream",
@@ -90,8 +100,7 @@ def prepare(cfg: TrainConfig, strategy: str) -> PreparedRun:
     check_rerun(cfg, name, run_dir)
     dataset = load_data(cfg)
     check_batch_fits(cfg, dataset)
-    val = None if cfg.val_data is None else read_val_data(cfg.val_data, cfg.feature_column, cfg.target_column,
-                                                              dataset)
+    val = None if cfg.val_data is None else load_val_data(cfg, dataset)
     factory = ship_model_code(cfg.model)
     model = initial_model(cfg, dataset, factory)
     if cfg.task == "auto":

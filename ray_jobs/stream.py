@@ -135,10 +135,10 @@ def plan_stream(path: str, feature_column: str, target_column: str, task: str, n
         raise ValueError("the dataset has no rows")
     # Widths, task and classes from the first row group with rows, decoded alone: the one data read.
     first = next(block for block in blocks if block.num_rows)
-    sample = _decode(filesystem, first, feature_column, target_column, task, num_classes)
+    sample = decode_block(filesystem, first, feature_column, target_column, task, num_classes)
     classes = _num_classes(filesystem, files, blocks, sample, num_classes)
     if classes != sample.num_classes:
-        sample = _decode(filesystem, first, feature_column, target_column, task, classes)
+        sample = decode_block(filesystem, first, feature_column, target_column, task, classes)
     largest = max(block.num_rows for block in blocks)
     if largest > window_rows:
         warnings.warn(f"--data: a row group of {largest} rows is larger than --shuffle-window-rows {window_rows}, so "
@@ -179,7 +179,7 @@ def _num_classes(filesystem, files: list[str], blocks: list[Block], sample: Data
     return max(block.label_max for block in blocks) + 1
 
 
-def _decode(filesystem, block: Block, feature_column: str, target_column: str, task: str,
+def decode_block(filesystem, block: Block, feature_column: str, target_column: str, task: str,
             num_classes: int | None) -> Dataset:
     """One row group, read, validated and decoded; a problem names its file and row group."""
     try:
@@ -257,7 +257,7 @@ class WindowReader:
     def _decode_block(self, block: Block) -> Dataset:
         dataset = self.dataset
         try:
-            decoded = _decode(dataset.filesystem, block, dataset.feature_column, dataset.target_column,
+            decoded = decode_block(dataset.filesystem, block, dataset.feature_column, dataset.target_column,
                               dataset.task, dataset.num_classes)
         except ValueError as error:
             raise Failure(str(error)) from None

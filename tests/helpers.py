@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
+from torch import nn
 
 from cluster.local import free_port
+from models import build_model
 from ray_jobs import ddp, dp, pipeline
 from ray_jobs.config import TrainConfig, WorkerScaling
 from ray_jobs.data import read_dataset, synthesize, write_table
@@ -129,3 +131,15 @@ def cluster_up(state_dir: str, *argv: str, attempts: int = 3) -> tuple[subproces
         if "already in use" not in started.stderr:
             break
     return started, ports
+
+
+def plain_validation(model_record: dict, weights: dict, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """The validation loss and accuracy as plain PyTorch computes them: one forward of the whole set."""
+    model = build_model(**model_record)
+    model.load_state_dict(weights)
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+    if y.dtype == torch.int64:
+        return nn.CrossEntropyLoss()(out, y).item(), (out.argmax(dim=1) == y).double().mean().item()
+    return nn.MSELoss()(out, y).item(), None

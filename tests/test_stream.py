@@ -11,13 +11,13 @@ import pytest
 
 from ray_jobs.config import TrainConfig
 from ray_jobs.data import main as data_main
-from ray_jobs.data import write_table
+from ray_jobs.data import synthesize, write_table
 from ray_jobs.errors import TrainingFailed
 from ray_jobs.pipeline import PipelineScaling
 from ray_jobs.runner import prepare
 from ray_jobs.stream import StreamDataset
-from tests.helpers import (assert_same_weights, block_rows, load_weights, reference_for, run_strategy, with_,
-                           write_parts)
+from tests.helpers import (assert_same_weights, block_rows, load_weights, plain_validation, reference_for,
+                           run_strategy, tensors, with_, write_parts)
 
 @pytest.fixture(scope="module")
 def stream_data(tmp_path_factory) -> str:
@@ -86,7 +86,10 @@ def test_reshard_rewrites_row_groups_and_keeps_the_rows(stream_data, tmp_path, c
     ("pipeline", {"scaling": PipelineScaling(num_stages=2, num_microbatches=2, schedule="1f1b")}, False, "regression"),
 ])
 def test_streaming_trains_the_reference_weights(ray_cluster, cfg, tmp_path, strategy, options, shuffle, task):
-    cfg = with_(cfg, shuffle=shuffle)
+    """The validation set streams too: 30 rows in row groups of 7, the same numbers as plain PyTorch."""
+    val_data = str(tmp_path / "val.parquet")
+    write_table(synthesize(30, 6, 4 if task == "classification" else 3, task, seed=4), val_data, row_group_rows=7)
+    cfg = with_(cfg, shuffle=shuffle, val_data=val_data)
     if task == "classification":
         (tmp_path / "labels").mkdir()
         cfg = with_(cfg, data=write_parts(tmp_path / "labels", "classification"))
@@ -100,6 +103,11 @@ def test_streaming_trains_the_reference_weights(ray_cluster, cfg, tmp_path, stra
     file_bytes = sum(f.stat().st_size for f in Path(cfg.data).glob("*.parquet"))
     assert 0 < record["bytes_read"] <= cfg.epochs * file_bytes  # each row group once per epoch
     assert 0 <= record["data_wait_fraction"] < 1
+    val_x, val_y, _ = tensors(val_data)
+    expected_val = [plain_validation(record["model"], reference_for(with_(cfg, epochs=epoch))[0], val_x, val_y)
+                    for epoch in range(1, cfg.epochs + 1)]
+    # float32 whole-set mean vs float64 chunk sums, of weights equal to float tolerance
+    assert record["val_losses"] == pytest.approx([loss for loss, _ in expected_val], rel=1e-5)
 
 
 @pytest.mark.ray

@@ -7,6 +7,7 @@ import textwrap
 import uuid
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 import torch
 from torch import nn
@@ -17,7 +18,8 @@ from ray_jobs.config import TrainConfig, parse_model_options
 from ray_jobs.runner import prepare
 from ray_jobs.training import warn_not_reproducible
 from ray_jobs.data import synthesize, table_to_dataset, write_table
-from tests.helpers import assert_same_weights, load_weights, reference_for, run_strategy, tensors, with_
+from tests.helpers import (assert_same_weights, load_weights, plain_validation, reference_for, run_strategy,
+                           tensors, with_)
 
 # A user's model file: an nn.Sequential whose children nest (a block of two layers), built from
 # options of every kind --model-option parses (int, string, bool).
@@ -208,18 +210,6 @@ def scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     return found
 
 
-def plain_validation(model_record: dict, weights: dict, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-    """The validation loss and accuracy as plain PyTorch computes them: one forward of the whole set."""
-    model = build_model(**model_record)
-    model.load_state_dict(weights)
-    model.eval()
-    with torch.no_grad():
-        out = model(x)
-    if y.dtype == torch.int64:
-        return nn.CrossEntropyLoss()(out, y).item(), (out.argmax(dim=1) == y).double().mean().item()
-    return nn.MSELoss()(out, y).item(), None
-
-
 @pytest.fixture
 def user_cfg(user_module, request, tmp_path):
     """The user model's run: its task's training data, 40 validation rows of the same kind."""
@@ -277,6 +267,39 @@ def test_validation_is_the_same_bits_for_any_worker_count(monkeypatch):
         out = model(x)
     assert whole.loss == pytest.approx(nn.CrossEntropyLoss()(out, y).item(), rel=1e-6)  # float32 mean vs float64 sums
     assert whole.accuracy == (out.argmax(dim=1) == y).double().mean().item()
+
+
+def test_a_streamed_validation_set_gives_the_same_bits_as_in_memory(monkeypatch, tmp_path):
+    """Chunks of 16 rows over row groups of 7: chunks straddle row groups, and each rank reads only
+    the row groups under its chunks."""
+    monkeypatch.setattr(validation, "CHUNK_ROWS", 16)
+    path = str(tmp_path / "val.parquet")
+    write_table(synthesize(rows=70, in_features=6, out_features=4, task="classification", seed=5), path,
+                row_group_rows=7)
+    train = table_to_dataset(synthesize(rows=8, in_features=6, out_features=4, task="classification", seed=6))
+    in_memory = validation.read_val_data(path, "features", "target", train)
+    streamed = validation.read_val_data(path, "features", "target", train, stream=True)
+    assert streamed.ingest == "stream" and len(streamed.blocks) == 10
+    torch.manual_seed(0)
+    model = build_model("mlp", 6, 4, hidden=8, depth=3)
+    whole = validation.validate(model, in_memory, torch.device("cpu"))
+    assert validation.validate(model, streamed, torch.device("cpu")) == whole
+    for world_size in (2, 3):
+        shares = [validation.chunk_sums(model, streamed, validation.my_chunks(streamed, rank, world_size),
+                                        torch.device("cpu")) for rank in range(world_size)]
+        assert validation.combine({k: v for share in shares for k, v in share.items()}, streamed) == whole
+
+
+def test_a_bad_row_group_of_a_streamed_validation_set_is_named(tmp_path):
+    path = str(tmp_path / "val.parquet")
+    table = synthesize(rows=20, in_features=6, out_features=3, task="regression", seed=5)
+    features = table.column("features").to_pylist()
+    features[15] = features[15][:5]  # one short row, in the third row group
+    write_table(table.set_column(0, "features", pa.array(features, pa.list_(pa.float32()))), path, row_group_rows=7)
+    train = table_to_dataset(synthesize(rows=8, in_features=6, out_features=3, task="regression", seed=6))
+    streamed = validation.read_val_data(path, "features", "target", train, stream=True)
+    with pytest.raises(ValueError, match=f"--val-data {path} row group 2: "):
+        validation.validate(build_model("mlp", 6, 3, hidden=4, depth=2), streamed, torch.device("cpu"))
 
 
 def test_val_data_must_match_the_training_data(regression_data, classification_data, tmp_path, capsys):
