@@ -81,7 +81,8 @@ def test_job_without_the_token_is_refused(cluster_state):
     assert "401" in result.stdout + result.stderr or "nauthorized" in result.stdout + result.stderr
 
 
-def test_job_stop_ends_the_workers_and_the_cluster_stays_usable(client, tmp_path):
+def test_job_stop_ends_the_workers_and_the_cluster_stays_usable(client, cluster_state, tmp_path):
+    """The job places its workers with the default PACK: both on one node while it trains."""
     job_id = submit(client, "ray_jobs.ddp", "--num-workers", "2", "--epochs", "100000",
                     "--storage-path", str(tmp_path), "--name", "long")
     deadline = time.monotonic() + JOB_TIMEOUT_S
@@ -89,23 +90,23 @@ def test_job_stop_ends_the_workers_and_the_cluster_stays_usable(client, tmp_path
         assert time.monotonic() < deadline, client.get_job_logs(job_id)
         assert client.get_job_status(job_id) == JobStatus.RUNNING or not client.get_job_status(job_id).is_terminal()
         time.sleep(1)
+    workers = [actor for actor in local.fetch_nodes(cluster_state, "actors")
+               if actor["class_name"] == "RayTrainWorker" and actor["state"] == "ALIVE"]
+    assert len(workers) == 2 and len({actor["node_id"] for actor in workers}) == 1, workers
     client.stop_job(job_id)
     assert wait_for(client, job_id, {JobStatus.STOPPED, JobStatus.FAILED, JobStatus.SUCCEEDED}) == JobStatus.STOPPED
     # The next tests' jobs need every CPU of the worker nodes back: they are the usability check.
 
 
-@pytest.mark.parametrize("strategy", ["STRICT_SPREAD", "PACK"])
-def test_ddp_job_placement_and_reference_weights(client, regression_data, tmp_path, strategy):
+def test_ddp_job_strict_spread_and_reference_weights(client, regression_data, tmp_path):
+    """PACK's placement is checked while the job above runs."""
     cfg = TrainConfig(model="seed-mlp", hidden=8, data=regression_data, epochs=2, batch_size=16, seed=7,
-                      storage_path=str(tmp_path), name=strategy.lower())
-    logs = run_job(client, "ray_jobs.ddp", "--num-workers", "2", "--placement-strategy", strategy, *flags(cfg))
+                      storage_path=str(tmp_path), name="strict")
+    logs = run_job(client, "ray_jobs.ddp", "--num-workers", "2", "--placement-strategy", "STRICT_SPREAD", *flags(cfg))
     assert logs.count("[raypar] epoch 1/2") == 1  # rank 0 only, printed once
     record = summary(cfg)
-    if strategy == "STRICT_SPREAD":
-        assert len(set(record["worker_nodes"])) == 2
-        assert sorted(record["worker_node_ranks"]) == [0, 1]
-    else:
-        assert len(set(record["worker_nodes"])) == 1
+    assert len(set(record["worker_nodes"])) == 2
+    assert sorted(record["worker_node_ranks"]) == [0, 1]
     assert_same_weights(load_weights(str(tmp_path / cfg.name)), reference_for(cfg)[0])
 
 
