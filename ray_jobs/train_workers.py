@@ -38,6 +38,12 @@ from ray_jobs.summary import TrainSummary
 # own setting of the variable wins.
 CONTROLLER_POLL_S = "0.5"
 CONTROLLER_POLL_VARIABLE = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+# Ray Train's preemption watcher (an actor per worker group) only logs node drains and flags them
+# to ray.train.get_preemption_info(), which raypar does not read: it recovers from a lost node by
+# its checkpoints. Its actor printed an ERROR line from Ray's core on every run ("constructor
+# arguments in the object store and max_restarts > 0"). Off, unless the user turns it on.
+PREEMPTION_WATCHER_VARIABLE = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+CONTROLLER_ENV = {CONTROLLER_POLL_VARIABLE: CONTROLLER_POLL_S, PREEMPTION_WATCHER_VARIABLE: "0"}
 
 
 def run_workers(
@@ -97,7 +103,7 @@ def _fit(prepared: PreparedRun, scaling: WorkerScaling, wrap, reader, faults: di
         ),
     )
     try:
-        with _controller_poll(CONTROLLER_POLL_S):
+        with _controller_env(CONTROLLER_ENV):
             result = _fit_interruptibly(trainer)
     except ray.train.TrainingFailedError as error:
         raise TrainingFailed(root_cause(error)) from error
@@ -147,17 +153,16 @@ def _storage_options(storage_path: str) -> dict:
 
 
 @contextlib.contextmanager
-def _controller_poll(seconds: str):
-    """Set the controller's poll interval for this fit, unless the user set it: ``fit()`` passes
-    the driver's value of the variable on to the controller it starts."""
-    if CONTROLLER_POLL_VARIABLE in os.environ:
-        yield
-        return
-    os.environ[CONTROLLER_POLL_VARIABLE] = seconds
+def _controller_env(defaults: dict[str, str]):
+    """Set Ray Train's variables for this fit, each unless the user set it: ``fit()`` passes the
+    driver's values on to the controller it starts."""
+    added = {name: value for name, value in defaults.items() if name not in os.environ}
+    os.environ.update(added)
     try:
         yield
     finally:
-        os.environ.pop(CONTROLLER_POLL_VARIABLE, None)
+        for name in added:
+            os.environ.pop(name, None)
 
 
 def _fit_interruptibly(trainer: TorchTrainer):

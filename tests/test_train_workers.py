@@ -5,25 +5,35 @@ import os
 
 import pytest
 
-from ray_jobs.train_workers import CONTROLLER_POLL_VARIABLE, _controller_poll
+from ray_jobs.train_workers import (
+    CONTROLLER_ENV,
+    CONTROLLER_POLL_VARIABLE,
+    PREEMPTION_WATCHER_VARIABLE,
+    _controller_env,
+)
 
 
-def test_the_controller_poll_is_set_for_the_fit_only(monkeypatch):
-    monkeypatch.delenv(CONTROLLER_POLL_VARIABLE, raising=False)
-    with _controller_poll("0.5"):
-        assert os.environ[CONTROLLER_POLL_VARIABLE] == "0.5"  # what fit() passes to the controller
-    assert CONTROLLER_POLL_VARIABLE not in os.environ
+@pytest.fixture
+def unset(monkeypatch):
+    for name in CONTROLLER_ENV:
+        monkeypatch.delenv(name, raising=False)
 
 
-def test_a_users_controller_poll_wins(monkeypatch):
-    monkeypatch.setenv(CONTROLLER_POLL_VARIABLE, "3")
-    with _controller_poll("0.5"):
-        assert os.environ[CONTROLLER_POLL_VARIABLE] == "3"
-    assert os.environ[CONTROLLER_POLL_VARIABLE] == "3"
+def test_the_controller_settings_hold_for_the_fit_only(unset):
+    with _controller_env(CONTROLLER_ENV):
+        # what fit() passes to the controller
+        assert os.environ[CONTROLLER_POLL_VARIABLE] == "0.5" and os.environ[PREEMPTION_WATCHER_VARIABLE] == "0"
+    assert not set(CONTROLLER_ENV) & set(os.environ)
 
 
-def test_the_controller_poll_is_removed_when_the_fit_fails(monkeypatch):
-    monkeypatch.delenv(CONTROLLER_POLL_VARIABLE, raising=False)
-    with pytest.raises(RuntimeError), _controller_poll("0.5"):
+def test_a_users_own_setting_wins(unset, monkeypatch):
+    monkeypatch.setenv(PREEMPTION_WATCHER_VARIABLE, "1")
+    with _controller_env(CONTROLLER_ENV):
+        assert os.environ[PREEMPTION_WATCHER_VARIABLE] == "1" and os.environ[CONTROLLER_POLL_VARIABLE] == "0.5"
+    assert os.environ[PREEMPTION_WATCHER_VARIABLE] == "1" and CONTROLLER_POLL_VARIABLE not in os.environ
+
+
+def test_the_settings_are_removed_when_the_fit_fails(unset):
+    with pytest.raises(RuntimeError), _controller_env(CONTROLLER_ENV):
         raise RuntimeError("fit failed")
-    assert CONTROLLER_POLL_VARIABLE not in os.environ
+    assert not set(CONTROLLER_ENV) & set(os.environ)
