@@ -429,6 +429,9 @@ def rejoin(args: argparse.Namespace) -> int:
         raise UserError(f"node {args.node} is running; only a lost node rejoins (see `preempt`)")
     if not group_alive(next(n for n in state["nodes"] if n["ip"] == HEAD_NODE_IP)):
         raise UserError(f"the head of the cluster recorded in {state_dir} is not running; start a new one with `up`")
+    if "num_cpus" not in node:
+        raise UserError(f"the cluster in {state_dir} was started by an older cluster.local that did not record "
+                        "its nodes' CPUs; `down` and `up` it again to use rejoin")
     starts = node.get("starts", 1) + 1
     log = state_dir / "logs" / f"node-{args.node}-{starts}.log"  # a fresh log, for its started marker
     command = node_command(args.node, Path(state["temp_dir"]), node["num_cpus"], worker_flags(state))
