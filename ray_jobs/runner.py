@@ -25,7 +25,7 @@ from ray_jobs.checkpoint import TrainState
 from ray_jobs.config import TrainConfig
 from ray_jobs.data import Dataset, read_dataset, synthesize, table_to_dataset
 from ray_jobs.resume import check_rerun, record_settings
-from ray_jobs.stream import StreamDataset, plan_stream, uncompressed_bytes
+from ray_jobs.stream import Footers, StreamDataset, plan_stream, read_footers
 from ray_jobs.summary import TrainSummary
 from ray_jobs.training import check_batch_fits, initial_model
 from ray_jobs.validation import best_epoch, read_val_data
@@ -60,33 +60,35 @@ def load_data(cfg: TrainConfig) -> Dataset | StreamDataset:
     if cfg.data is None:
         table = synthesize(SYNTHETIC_ROWS, SYNTHETIC_IN, SYNTHETIC_OUT, "regression", cfg.seed)
         return table_to_dataset(table, task=cfg.task, num_classes=cfg.num_classes)
-    mode, why = ingest_mode(cfg)
+    mode, why, footers = ingest_mode(cfg)
     print(f"[raypar] ingest: {mode} ({why})", flush=True)
     if mode == "stream":
         return plan_stream(cfg.data, cfg.feature_column, cfg.target_column, cfg.task, cfg.num_classes,
-                           cfg.shuffle_window_rows)
+                           cfg.shuffle_window_rows, footers)
     return read_dataset(cfg.data, cfg.feature_column, cfg.target_column, cfg.task, cfg.num_classes)
 
 
 def load_val_data(cfg: TrainConfig, train: Dataset | StreamDataset) -> Dataset | StreamDataset:
     """``--val-data`` as ``--ingest`` decides for it (``auto``: by its own size); says which and why."""
-    mode, why = ingest_mode(cfg, cfg.val_data, "--val-data")
+    mode, why, footers = ingest_mode(cfg, cfg.val_data, "--val-data")
     print(f"[raypar] validation ingest: {mode} ({why})", flush=True)
-    return read_val_data(cfg.val_data, cfg.feature_column, cfg.target_column, train, stream=mode == "stream")
+    return read_val_data(cfg.val_data, cfg.feature_column, cfg.target_column, train, stream=mode == "stream",
+                         footers=footers)
 
 
-def ingest_mode(cfg: TrainConfig, path: str | None = None, flag: str = "--data") -> tuple[str, str]:
+def ingest_mode(cfg: TrainConfig, path: str | None = None, flag: str = "--data") -> tuple[str, str, Footers | None]:
+    """Memory or stream, why, and the footers ``auto`` read to decide (for the stream's plan)."""
     if cfg.ingest != "auto":
-        return cfg.ingest, f"--ingest {cfg.ingest}"
+        return cfg.ingest, f"--ingest {cfg.ingest}", None
     try:
-        size = uncompressed_bytes(path or cfg.data)
+        footers = read_footers(path or cfg.data)
     except ValueError as error:
         raise ValueError(str(error).replace("--data", flag, 1)) from None
-    limit = cfg.memory_ingest_limit_mb * 2**20
+    size, limit = footers.uncompressed_bytes, cfg.memory_ingest_limit_mb * 2**20
     relation = "at most" if size <= limit else "over"
     return ("memory" if size <= limit else "stream",
             f"the data is {size / 2**20:,.1f} MiB uncompressed, {relation} --memory-ingest-limit-mb "
-            f"{cfg.memory_ingest_limit_mb:g}")
+            f"{cfg.memory_ingest_limit_mb:g}", footers)
 
 
 def prepare(cfg: TrainConfig, strategy: str) -> PreparedRun:

@@ -84,16 +84,27 @@ class StreamDataset:
         return sum(block.compressed_bytes for block in self.blocks)
 
 
-def uncompressed_bytes(path: str) -> int:
-    """The data's decoded size from the Parquet metadata alone: what ``--ingest auto`` compares."""
+@dataclass
+class Footers:
+    """A dataset's Parquet files, each with its footer: read once, for ``--ingest auto``'s size and
+    the stream's plan (two requests per file on object storage)."""
+
+    filesystem: pafs.FileSystem
+    files: list[str]
+    metadata: list[pq.FileMetaData]
+
+    @property
+    def uncompressed_bytes(self) -> int:
+        """The data's decoded size from the metadata alone: what ``--ingest auto`` compares."""
+        return sum(meta.row_group(i).total_byte_size for meta in self.metadata for i in range(meta.num_row_groups))
+
+
+def read_footers(path: str) -> Footers:
     filesystem, fs_path = resolve(path)
     if filesystem.get_file_info(fs_path).type == pafs.FileType.NotFound:
         raise ValueError(f"--data {path}: no such file or directory")
-    total = 0
-    for file in parquet_files(filesystem, fs_path):
-        metadata = _metadata(filesystem, file)
-        total += sum(metadata.row_group(i).total_byte_size for i in range(metadata.num_row_groups))
-    return total
+    files = parquet_files(filesystem, fs_path)
+    return Footers(filesystem, files, [_metadata(filesystem, file) for file in files])
 
 
 def _metadata(filesystem: pafs.FileSystem, file: str) -> pq.FileMetaData:
@@ -104,15 +115,15 @@ def _metadata(filesystem: pafs.FileSystem, file: str) -> pq.FileMetaData:
 
 
 def plan_stream(path: str, feature_column: str, target_column: str, task: str, num_classes: int | None,
-                window_rows: int) -> StreamDataset:
-    """Everything the metadata can tell, checked before any Ray resource is asked for."""
-    filesystem, fs_path = resolve(path)
-    files = parquet_files(filesystem, fs_path)
+                window_rows: int, footers: Footers | None = None) -> StreamDataset:
+    """Everything the metadata can tell, checked before any Ray resource is asked for; ``footers``:
+    the files' footers when already read."""
+    footers = footers or read_footers(path)
+    filesystem, files = footers.filesystem, footers.files
     if not files:
         raise ValueError(f"--data {path}: no Parquet files")
     blocks, first_schema, total = [], None, 0
-    for file in files:
-        metadata = _metadata(filesystem, file)
+    for file, metadata in zip(files, footers.metadata):
         schema = metadata.schema.to_arrow_schema()
         for column in (feature_column, target_column):
             if column not in schema.names:

@@ -19,7 +19,7 @@ from torch import nn
 
 from ray_jobs import storage
 from ray_jobs.data import Dataset, read_dataset
-from ray_jobs.stream import StreamDataset, decode_block, plan_stream
+from ray_jobs.stream import Footers, StreamDataset, decode_block, plan_stream
 
 # Rows per validation forward: fixed (see above); large enough that a forward's overhead is small,
 # small enough that activations of a wide model stay modest.
@@ -36,13 +36,14 @@ class Validation:
 
 
 def read_val_data(path: str, feature_column: str, target_column: str, train: Dataset | StreamDataset,
-                  stream: bool = False) -> Dataset | StreamDataset:
+                  stream: bool = False, footers: Footers | None = None) -> Dataset | StreamDataset:
     """The validation set read as the training set was (its task and classes): whole in memory, or
     with ``stream`` its metadata only, its rows read chunk by chunk as validation needs them. Its
     widths must be the training set's."""
     try:
         if stream:  # read by row group, never by shuffle window: no window size applies
-            val = plan_stream(path, feature_column, target_column, train.task, train.num_classes, window_rows=2**62)
+            val = plan_stream(path, feature_column, target_column, train.task, train.num_classes, window_rows=2**62,
+                              footers=footers)
         else:
             val = read_dataset(path, feature_column, target_column, train.task, train.num_classes)
     except ValueError as error:

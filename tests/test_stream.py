@@ -15,6 +15,7 @@ from ray_jobs.data import synthesize, write_table
 from ray_jobs.errors import TrainingFailed
 from ray_jobs.pipeline import PipelineScaling
 from ray_jobs.runner import prepare
+from ray_jobs import stream
 from ray_jobs.stream import StreamDataset
 from tests.helpers import (assert_same_weights, block_rows, load_weights, plain_validation, reference_for,
                            run_strategy, tensors, with_, write_parts)
@@ -43,11 +44,15 @@ def test_the_driver_reads_metadata_only(cfg, monkeypatch, capsys):
     assert "[raypar] ingest: stream (--ingest stream)" in capsys.readouterr().out
 
 
-def test_auto_ingest_picks_by_uncompressed_size(cfg, capsys):
+def test_auto_ingest_picks_by_uncompressed_size(cfg, capsys, monkeypatch):
+    read_metadata = stream._metadata
     assert prepare(with_(cfg, ingest="auto"), "ddp").dataset.ingest == "memory"
     assert "ingest: memory (the data is 0.0 MiB uncompressed, at most --memory-ingest-limit-mb 1024)" in \
         capsys.readouterr().out
+    footers = []
+    monkeypatch.setattr(stream, "_metadata", lambda filesystem, file: footers.append(file) or read_metadata(filesystem, file))
     assert prepare(with_(cfg, ingest="auto", memory_ingest_limit_mb=0.001, name="small"), "ddp").dataset.ingest == "stream"
+    assert len(footers) == len(set(footers)) == 3  # each file's footer read once, for the size and the plan
 
 
 def test_what_the_metadata_can_tell_is_found_before_training(tmp_path, cfg):
