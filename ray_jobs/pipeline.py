@@ -131,7 +131,8 @@ class PipelineScaling:
         cfg, dataset, factory = prepared.cfg, prepared.dataset, prepared.model_factory
         if self.stage_balance == "params":
             return cut_stages(cfg, dataset, self.num_stages, factory)
-        seconds = measured_unit_costs(cfg, dataset, self.num_microbatches, max(1, int(self.cpus_per_stage)), factory)
+        seconds = measured_unit_costs(cfg, dataset, prepared.initial_state, self.num_microbatches,
+                                      max(1, int(self.cpus_per_stage)), factory)
         cut = cut_stages(cfg, dataset, self.num_stages, factory, seconds)
         by_params = cut_stages(cfg, dataset, self.num_stages, factory)
         print(f"[raypar] --stage-balance time: stages of children {' | '.join(map(' '.join, cut.children))}; "

@@ -355,12 +355,18 @@ def cut_stages(cfg: TrainConfig, dataset, num_stages: int, model_factory=None,
                     [len(unit_names(stage)) for stage in stages], unit_costs)
 
 
-def measured_unit_costs(cfg: TrainConfig, dataset, num_microbatches: int, num_threads: int,
-                        model_factory=None) -> list[float]:
+def measured_unit_costs(cfg: TrainConfig, dataset, initial_state: dict[str, torch.Tensor], num_microbatches: int,
+                        num_threads: int, model_factory=None) -> list[float]:
     """Each unit's forward and backward seconds over one micro-batch, on the driver's CPU with a
-    stage's thread count (``--stage-balance time``)."""
-    with torch.random.fork_rng(devices=[]):  # the driver's own draws stay as without the measurement
+    stage's thread count (``--stage-balance time``), with the run's initial weights: the tensors
+    the driver already holds, not a second model (only gradients are made, and dropped). Buffers
+    are copied: a training-mode forward updates BatchNorm's running statistics."""
+    with torch.device("meta"):
         model = make_model(cfg, dataset, model_factory)
+    buffers = {name for name, _ in model.named_buffers()}
+    model.load_state_dict({key: value.clone() if key in buffers else value for key, value in initial_state.items()},
+                          assign=True)
+    with torch.random.fork_rng(devices=[]):  # the driver's own draws stay as without the measurement
         sample = torch.randn(cfg.batch_size // num_microbatches, dataset.in_features)
     threads = torch.get_num_threads()
     torch.set_num_threads(num_threads)
