@@ -47,8 +47,8 @@ class PreparedRun:
     storage_path: str
     model_factory: Callable[..., nn.Module] | None = None
     """``--model``'s callable, resolved once here; workers and stages build the model with it."""
-    val_dataset: Dataset | None = None
-    """``--val-data``, in memory."""
+    val_dataset: Dataset | StreamDataset | None = None
+    """``--val-data``: in memory, or a stream's metadata (``--ingest``)."""
 
     @property
     def run_dir(self) -> str:

@@ -191,7 +191,7 @@ def _num_classes(filesystem, files: list[str], blocks: list[Block], sample: Data
 
 
 def decode_block(filesystem, block: Block, feature_column: str, target_column: str, task: str,
-            num_classes: int | None) -> Dataset:
+                 num_classes: int | None) -> Dataset:
     """One row group, read, validated and decoded; a problem names its file and row group."""
     try:
         table = pq.ParquetFile(block.file, filesystem=filesystem).read_row_group(
@@ -269,7 +269,7 @@ class WindowReader:
         dataset = self.dataset
         try:
             decoded = decode_block(dataset.filesystem, block, dataset.feature_column, dataset.target_column,
-                              dataset.task, dataset.num_classes)
+                                   dataset.task, dataset.num_classes)
         except ValueError as error:
             raise Failure(str(error)) from None
         if decoded.in_features != dataset.in_features or decoded.out_features != dataset.out_features:
