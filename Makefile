@@ -1,4 +1,5 @@
-# raypar: `make demo` submits a DDP job to a local multi-node Ray cluster; `make test` runs the tests.
+# raypar: `make demo` submits a DDP job to a local multi-node Ray cluster; `make test` runs every test;
+# `make test-fast` the unit lane only (no Ray, under a minute: run it after every change); `make lint`.
 # Both create .venv on first use. torch comes first as the pinned CPU wheel, so no multi-GB
 # CUDA build is ever downloaded; the project's own torch range is then already satisfied.
 PYTHON ?= python3
@@ -6,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.raypar-installed
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test test-fast lint format bench venv clean
 
 venv: $(STAMP)
 
@@ -22,6 +23,17 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+test-fast: $(STAMP)
+	$(PY) -m pytest tests/unit
+
+lint: $(STAMP)
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
+
+format: $(STAMP)
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[test,bench]'

@@ -65,3 +65,7 @@ def root_cause(error: BaseException) -> str:
 
 def _lines(error: BaseException) -> list[str]:
     return [line for line in str(error).strip().splitlines() if line.strip()]
+
+
+class PeerLost(RuntimeError):
+    """A p2p send or receive failed: the peer stage died or timed out."""

@@ -15,11 +15,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ray_jobs import ddp, dp, pipeline  # noqa: E402
-from ray_jobs.config import TrainConfig, WorkerScaling  # noqa: E402
-from ray_jobs.data import read_dataset, synthesize, write_table  # noqa: E402
-from ray_jobs.runner import prepare  # noqa: E402
-from ray_jobs.session import connect  # noqa: E402
+from ray_jobs import ddp, dp
+from ray_jobs.core.config import TrainConfig, WorkerScaling
+from ray_jobs.data.parquet import read_dataset, synthesize, write_table
+from ray_jobs.driver.connect import connect
+from ray_jobs.driver.prepare import prepare
+from ray_jobs.pipeline import trainer as pipeline  # noqa: E402
 from tests.reference import reference_train  # noqa: E402
 
 # GPU kernels sum in another order than the CPU reference (and nccl all-reduce in another

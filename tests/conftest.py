@@ -5,12 +5,18 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import textwrap
 import time
+import uuid
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from ray_jobs.data import synthesize, write_table
+from ray_jobs.core.config import TrainConfig
+from ray_jobs.data.parquet import synthesize, write_table
+from tests.helpers import write_parts
 
 # Credentials for the S3 tests' moto server, set before the shared Ray cluster starts so its
 # workers inherit them (moto accepts any). Where a bucket is comes from the test, never from here.
@@ -29,7 +35,7 @@ def ray_cluster():
     """One local Ray cluster per test session: Ray start-up costs ~10 s here."""
     import ray
 
-    from ray_jobs.session import start_local
+    from ray_jobs.driver.connect import start_local
 
     # 4 logical CPUs on a 2-core machine: two 1-CPU workers plus headroom for Ray's own actors.
     yield SimpleNamespace(dashboard_url=start_local(num_cpus=4))  # tests ask its state API
@@ -76,3 +82,75 @@ def s3_endpoint():
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def stream_data(tmp_path_factory) -> str:
+    """``helpers.STREAM_FILES``: three files of uneven row groups, for streaming ingest."""
+    return write_parts(tmp_path_factory.mktemp("stream"))
+
+
+@pytest.fixture
+def stream_cfg(stream_data, tmp_path) -> TrainConfig:
+    # A 24-row window holds 2 to 5 row groups; global batches of 16 straddle windows.
+    return TrainConfig(model="seed-mlp", hidden=8, data=stream_data, ingest="stream", shuffle_window_rows=24,
+                       epochs=2, batch_size=16, seed=9, momentum=0.9, storage_path=str(tmp_path), name="run")
+
+
+@pytest.fixture
+def ray_tmpdir(monkeypatch):
+    """A temp dir of Ray's own (RAY_TMPDIR), as /tmp is to a plain Ray: its ray/ray_current_cluster
+    is the record ``ray start`` leaves. Short, for Ray's socket paths under it."""
+    directory = tempfile.mkdtemp(prefix="rp")
+    (Path(directory) / "ray").mkdir()
+    monkeypatch.setenv("RAY_TMPDIR", directory)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    yield Path(directory)
+    subprocess.run(["rm", "-rf", directory], check=False)
+
+
+# A user's own model module (``--model module:callable``), written fresh for each test that asks.
+USER_MODEL = """
+from torch import nn
+
+ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh}
+
+
+def build(in_features, out_features, hidden=4, act="relu", bias=True):
+    return nn.Sequential(
+        nn.Linear(in_features, hidden, bias=bias),
+        ACTIVATIONS[act](),
+        nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh()),
+        nn.Linear(hidden, out_features),
+    )
+
+
+def not_a_model(in_features, out_features):
+    return 42
+
+
+def fails(in_features, out_features, **options):
+    raise RuntimeError("widths too small")
+
+
+class Residual(nn.Module):
+    def __init__(self, in_features, out_features):
+        super().__init__()
+        self.fc = nn.Linear(in_features, out_features)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def with_layers_ddp_cannot_match(in_features, out_features):
+    return nn.Sequential(nn.Linear(in_features, 4), nn.BatchNorm1d(4), nn.Dropout(0.2), nn.Linear(4, out_features))
+"""
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch) -> str:
+    """A module of its own name (so no other test's import is cached) on the driver's path."""
+    name = f"user_model_{uuid.uuid4().hex[:12]}"
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(USER_MODEL))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name

@@ -6,17 +6,20 @@ from __future__ import annotations
 import json
 import sys
 
-from ray_jobs import ddp, pipeline
-from ray_jobs.cli import entry_point, exit_process
-from ray_jobs.config import WorkerScaling
+from ray_jobs import ddp
+from ray_jobs.core.config import WorkerScaling
+from ray_jobs.driver.entry import entry_point, exit_process
+from ray_jobs.pipeline import trainer as pipeline
+from ray_jobs.testing.faults import Faults
 
 STRATEGIES = {"ddp": (ddp, WorkerScaling), "pipeline": (pipeline, pipeline.PipelineScaling)}
 
 
 def main(argv: list[str]) -> int:
-    strategy, faults, flags = argv[0], json.loads(argv[1]), argv[2:]
+    strategy, armed, flags = argv[0], json.loads(argv[1]), argv[2:]
+    faults = Faults(**{**armed, "holds": tuple(tuple(pair) for pair in armed.get("holds", ()))})
     module, scaling_cls = STRATEGIES[strategy]
-    return entry_point(strategy, scaling_cls, lambda prepared, scaling: module.run(prepared, scaling, **faults),
+    return entry_point(strategy, scaling_cls, lambda prepared, scaling: module.run(prepared, scaling, faults),
                        flags, None)
 
 

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
+import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,12 +17,16 @@ from torch import nn
 
 from cluster.local import free_port
 from models import build_model
-from ray_jobs import ddp, dp, pipeline
-from ray_jobs.config import TrainConfig, WorkerScaling
-from ray_jobs.data import read_dataset, synthesize, write_table
-from ray_jobs.runner import prepare
-from ray_jobs.summary import TrainSummary
-from ray_jobs.training import stream_epoch_order
+from ray_jobs import ddp, dp
+from ray_jobs.core.config import TrainConfig, WorkerScaling
+from ray_jobs.data import storage
+from ray_jobs.data.order import stream_epoch_order
+from ray_jobs.data.parquet import read_dataset, synthesize, write_table
+from ray_jobs.driver.prepare import prepare
+from ray_jobs.driver.summary import TrainSummary
+from ray_jobs.pipeline import trainer as pipeline
+from ray_jobs.predict import job as predict
+from ray_jobs.testing.faults import Faults
 from tests.reference import reference_train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,14 +38,16 @@ def tensors(path: str) -> tuple[torch.Tensor, torch.Tensor, int]:
     return torch.from_numpy(dataset.features.copy()), torch.from_numpy(dataset.targets.copy()), dataset.out_features
 
 
-def run_strategy(strategy: str, cfg: TrainConfig, num_workers: int = 1, scaling=None, **options) -> TrainSummary:
-    """Run a strategy through the same Python API its entry point uses."""
+def run_strategy(strategy: str, cfg: TrainConfig, num_workers: int = 1, scaling=None, **faults) -> TrainSummary:
+    """Run a strategy through the same Python API its entry point uses; ``faults``: ``Faults``'s
+    fields, what the test injects."""
     prepared = prepare(cfg, strategy)
+    injected = Faults(**faults)
     if strategy == "ddp":
-        return ddp.run(prepared, scaling or WorkerScaling(num_workers=num_workers), **options)
+        return ddp.run(prepared, scaling or WorkerScaling(num_workers=num_workers), injected)
     if strategy == "pipeline":
-        return pipeline.run(prepared, scaling, **options)
-    return dp.run(prepared, scaling or dp.DataParallelScaling(), **options)
+        return pipeline.run(prepared, scaling, injected)
+    return dp.run(prepared, scaling or dp.DataParallelScaling(), injected)
 
 
 def reference_for(cfg: TrainConfig, init_state: dict | None = None):
@@ -143,3 +152,56 @@ def plain_validation(model_record: dict, weights: dict, x: torch.Tensor, y: torc
     if y.dtype == torch.int64:
         return nn.CrossEntropyLoss()(out, y).item(), (out.argmax(dim=1) == y).double().mean().item()
     return nn.MSELoss()(out, y).item(), None
+
+
+def fake_run(run_dir: str, task: str) -> torch.nn.Module:
+    """A finished run's directory as the trainer leaves it (summary.json, model.pt, best_model.pt),
+    without training: prediction only reads these. Returns the final model."""
+    record = {"name": "seed-mlp", "in_features": 6, "out_features": 4 if task == "classification" else 3, "hidden": 8}
+    models = {}
+    for index, name in enumerate(("model.pt", "best_model.pt")):
+        torch.manual_seed(index)
+        models[name] = build_model(**record)
+        buffer = io.BytesIO()
+        torch.save(models[name].state_dict(), buffer)
+        storage.write_bytes(storage.join(run_dir, name), buffer.getvalue())
+    storage.write_bytes(storage.join(run_dir, "summary.json"),
+                        json.dumps({"model": record, "task": task, "config": {}}).encode())
+    return models["model.pt"]
+
+
+def expected_predictions(model: torch.nn.Module, data_dir: str) -> torch.Tensor:
+    """``model(x)`` from a plain ``torch.load``, the rows in input order (files in name order)."""
+    features = torch.from_numpy(read_dataset(data_dir).features.copy())
+    with torch.no_grad():
+        return model(features)
+
+def predicts_the_model_in_input_order(base: str, query: str, task: str, num_workers: int) -> None:
+    """``python -m ray_jobs.predict`` over a fake run's model under ``base`` (a path or a URI, its
+    options in ``query``): every input column kept, predictions equal to ``model(x)`` in input order."""
+    data_dir = write_parts(f"{base}/new", task, query)  # 3 files, uneven row groups: 120 rows
+    run_dir, out = f"{base}/runs/run{query}", f"{base}/pred.parquet{query}"
+    model = fake_run(run_dir, task)
+    argv = ["--run-dir", run_dir, "--data", data_dir, "--out", out, "--batch-size", "16",
+            "--num-workers", str(num_workers)]
+    assert predict.main(argv) == 0
+    filesystem, path = storage.resolve(out)
+    table = pq.read_table(path, filesystem=filesystem)
+    data = read_dataset(data_dir)
+    expected = expected_predictions(model, data_dir)
+    assert table.column_names[:2] == ["features", "target"]  # every input column kept
+    torch.testing.assert_close(torch.tensor(table.column("features").to_pylist()), torch.from_numpy(data.features))
+    if task == "classification":
+        assert table.column("prediction").to_pylist() == expected.argmax(dim=1).tolist()
+        probabilities = torch.tensor(table.column("probabilities").to_pylist())
+        # the same float32 model on the same rows; only the batch cut differs (matmul rounding)
+        torch.testing.assert_close(probabilities, torch.softmax(expected, dim=1), rtol=1e-5, atol=1e-6)
+        assert table.column("target").to_pylist() == data.targets.tolist()
+    else:
+        torch.testing.assert_close(torch.tensor(table.column("prediction").to_pylist()), expected, rtol=1e-5, atol=1e-6)
+
+
+def closed_port() -> int:
+    with socket.socket() as probe:  # bound, never listening: connections are refused
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -1,6 +1,6 @@
 
 from ray_jobs.bench.run import main
-from ray_jobs.cli import exit_process
+from ray_jobs.driver.entry import exit_process
 
 if __name__ == "__main__":
     exit_process(main())

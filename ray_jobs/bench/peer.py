@@ -18,18 +18,12 @@ from torch.nn.parallel import DistributedDataParallel
 # No Ray here, nor in anything imported here: the peer's spawned processes import this module,
 # and importing Ray there would inflate the peer's start-up cost.
 from models import build_model
-from ray_jobs.config import TrainConfig
-from ray_jobs.data import Dataset
-from ray_jobs.readings import cpu_times, peak_rss_bytes, steal_fraction
-from ray_jobs.training import (
-    build_optimizer,
-    epoch_order,
-    global_batches,
-    grad_scaler,
-    loss_function,
-    shard,
-    train_step,
-)
+from ray_jobs.core.batches import global_batches, shard
+from ray_jobs.core.config import TrainConfig
+from ray_jobs.core.step import build_optimizer, grad_scaler, loss_function, train_step
+from ray_jobs.data.order import epoch_order
+from ray_jobs.data.parquet import Dataset
+from ray_jobs.observability.process_stats import cpu_times, peak_rss_bytes, steal_fraction
 
 PEER_TIMEOUT_S = 600.0
 

@@ -34,7 +34,7 @@ from ray_jobs.bench.plots import write_plots
 from ray_jobs.bench.report import render
 from ray_jobs.bench.stats import targets
 from ray_jobs.bench.suites import SUITES, Suite
-from ray_jobs.config import ADDRESS_HELP, ArgumentParser
+from ray_jobs.core.config import ADDRESS_HELP, ArgumentParser
 
 
 def machine_info() -> dict[str, Any]:
@@ -66,7 +66,7 @@ def run_suite(suite: Suite, out: str, storage_path: str, address: str | None,
     """Run ``suite`` (``cases``, by default the suite's own) and write ``bench.json``, ``bench.md``
     and plots into ``out``."""
     cases = suite_cases(suite.name) if cases is None else cases
-    from ray_jobs.session import connect
+    from ray_jobs.driver.connect import connect
 
     began = time.perf_counter()
     os.makedirs(out, exist_ok=True)
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --suite gpu needs a CUDA GPU; this machine has none that torch {torch.__version__} can use "
               "(torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
-    from ray_jobs.session import reachable
+    from ray_jobs.driver.connect import reachable
 
     try:
         reachable(args.address)  # a wrong address fails in seconds, before anything is written

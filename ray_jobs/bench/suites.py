@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ray_jobs.config import TrainConfig
+from ray_jobs.core.config import TrainConfig
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from typing import Any
 from ray_jobs.bench.peer import torch_ddp
 from ray_jobs.bench.stats import quiet, steady
 from ray_jobs.bench.suites import Suite, Workload
-from ray_jobs.config import TrainConfig
-from ray_jobs.data import synthesize, write_table
-from ray_jobs.readings import cpu_times, steal_fraction
-from ray_jobs.runner import prepare
+from ray_jobs.core.config import TrainConfig
+from ray_jobs.data.parquet import synthesize, write_table
+from ray_jobs.driver.prepare import prepare
+from ray_jobs.observability.process_stats import cpu_times, steal_fraction
 
 
 class Bench:

@@ -9,8 +9,8 @@ from typing import Any
 
 from ray_jobs.bench.cases.common import Bench
 from ray_jobs.bench.stats import quiet, quiet_ratio, ratio, steady, summarise
-from ray_jobs.config import WorkerScaling
-from ray_jobs.runner import prepare
+from ray_jobs.core.config import WorkerScaling
+from ray_jobs.driver.prepare import prepare
 
 
 def raypar_data_parallel(bench: Bench, strategy: str, num_workers: int, epochs: int | None = None,

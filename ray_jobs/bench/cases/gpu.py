@@ -18,7 +18,7 @@ from typing import Any
 from ray_jobs.bench.cases.common import Bench
 from ray_jobs.bench.cases.data_parallel import raypar_data_parallel, worker_counts
 from ray_jobs.bench.stats import ratio, steady, summarise
-from ray_jobs.runner import prepare
+from ray_jobs.driver.prepare import prepare
 
 GPU_SCHEDULES = ("sequential", "gpipe", "1f1b")
 
@@ -115,7 +115,7 @@ def gpu_precision_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_gpu_pipeline(bench: Bench, schedule: str, num_stages: int, gpus_per_stage: float) -> dict[str, Any]:
-    from ray_jobs import pipeline
+    from ray_jobs.pipeline import trainer as pipeline
 
     work, m = bench.suite.pipeline, bench.suite.target_microbatches
     cfg = bench.config(work, bench.pipeline_data, f"gpu-pipe-{schedule}")

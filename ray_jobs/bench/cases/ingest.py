@@ -11,9 +11,10 @@ import pyarrow.parquet as pq
 from ray_jobs.bench.cases.common import Bench
 from ray_jobs.bench.peer import PEER_TIMEOUT_S
 from ray_jobs.bench.stats import ratio, stats
-from ray_jobs.data import read_dataset
-from ray_jobs.readings import peak_rss_bytes
-from ray_jobs.training import epoch_order, global_batches, shard
+from ray_jobs.core.batches import global_batches, shard
+from ray_jobs.data.order import epoch_order
+from ray_jobs.data.parquet import read_dataset
+from ray_jobs.observability.process_stats import peak_rss_bytes
 
 
 def measure_ingest(path: str, batch_size: int, seed: int, repetitions: int) -> dict[str, Any]:

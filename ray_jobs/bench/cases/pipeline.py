@@ -19,8 +19,8 @@ from ray_jobs.bench.stats import (
     transfer_overhead_us,
 )
 from ray_jobs.bench.suites import OTHER_TRANSPORTS, PIPELINE_SCHEDULES, PIPELINE_TRANSPORT
-from ray_jobs.runner import prepare
-from ray_jobs.schedules import SCHEDULES
+from ray_jobs.driver.prepare import prepare
+from ray_jobs.pipeline.schedules import SCHEDULES
 
 THREADS_PER_STAGE = 1  # each stage actor's CPUs and torch threads; also the single-process baseline's
 # The measured shares of the stages' time (wall x S); the rest is reported as `other`.
@@ -28,7 +28,7 @@ TIME_SHARES = ("compute", "optimizer", "receive_wait", "p2p_calls")
 
 
 def run_pipeline(bench: Bench, schedule: str, num_microbatches: int, transport: str) -> dict[str, Any]:
-    from ray_jobs import pipeline
+    from ray_jobs.pipeline import trainer as pipeline
 
     cfg = bench.config(bench.suite.pipeline, bench.pipeline_data, f"pipe-{schedule}-{num_microbatches}-{transport}")
     scaling = pipeline.PipelineScaling(num_stages=bench.suite.num_stages, num_microbatches=num_microbatches,

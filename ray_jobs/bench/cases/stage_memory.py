@@ -8,15 +8,15 @@ from dataclasses import asdict
 from typing import Any
 
 from ray_jobs.bench.cases.common import Bench
-from ray_jobs.runner import prepare
+from ray_jobs.driver.prepare import prepare
 
 # Half a CPU per stage: S=4 fits the 2-core development machine. Memory does not depend on speed.
 CPUS_PER_STAGE = 0.5
 
 
 def stage_memory_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
-    from ray_jobs import pipeline
-    from ray_jobs.stage import stage_keys
+    from ray_jobs.pipeline import trainer as pipeline
+    from ray_jobs.pipeline.cut import stage_keys
 
     work, rows = bench.suite.memory, []
     for num_stages in bench.suite.memory_stages:

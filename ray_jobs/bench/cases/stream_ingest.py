@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from ray_jobs.bench.cases.common import Bench
 from ray_jobs.bench.peer import PEER_TIMEOUT_S
-from ray_jobs.data import ROW_GROUP_ROWS, synthesize
+from ray_jobs.data.parquet import ROW_GROUP_ROWS, synthesize
 
 SMALLER = 16  # the small dataset is this many times smaller than the large one
 CHUNK_ROWS = 65536  # rows synthesised at a time: writing a large dataset never holds it whole
@@ -105,9 +105,9 @@ def reader_rows_per_second(path: str) -> float:
     consumption is compared with (the headroom)."""
     import ray
 
-    from ray_jobs.config import TrainConfig
-    from ray_jobs.stream import plan_stream, start_reader
-    from ray_jobs.training import stream_windows
+    from ray_jobs.core.config import TrainConfig
+    from ray_jobs.data.order import stream_windows
+    from ray_jobs.data.stream import plan_stream, start_reader
 
     cfg = TrainConfig(data=path, ingest="stream")
     dataset = plan_stream(path, cfg.feature_column, cfg.target_column, cfg.task, None, cfg.shuffle_window_rows)

@@ -1,0 +1,213 @@
+"""The one checkpoint format every strategy writes and reads.
+
+A checkpoint is a directory ``checkpoint_epoch_NNNNNN`` holding ``checkpoint.pt``: the full,
+unsplit model ``state_dict`` (loadable by ``build_model`` with no key rewriting), the optimizer
+state keyed by parameter *name* (so it does not depend on how a strategy wrapped or split the
+model), the number of completed epochs, the per-epoch losses so far, and every world rank's (or
+stage's) RNG state. The newest checkpoint is the one with the most completed work, read from
+its directory's name: never from file times, which object stores keep in whole seconds and
+copies reset.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from ray_jobs.core.step import rank_seed
+from ray_jobs.data import storage
+
+CHECKPOINT_FILE = "checkpoint.pt"
+CHECKPOINT_PREFIX = "checkpoint_"
+_NAMED = re.compile(r"checkpoint_epoch_(\d+)(?:_step_(\d+))?$")
+
+
+@dataclass
+class TrainState:
+    model: dict[str, torch.Tensor]
+    optimizer: dict
+    epochs_completed: int
+    losses: list[float] = field(default_factory=list)
+    rng: list[dict[str, Any]] = field(default_factory=list)
+    """Per world rank (or pipeline stage): ``rng_state()`` when the checkpoint was taken."""
+    step: int = 0
+    """Global batches already done in epoch ``epochs_completed`` (0: the epoch has not begun)."""
+    step_losses: list[float] = field(default_factory=list)
+    """The global-batch losses of those ``step`` batches, for the epoch's mean loss."""
+    world_sizes: list[dict[str, int]] = field(default_factory=list)
+    """Each attempt whose work this state holds: ``num_workers`` and the ``epoch``/``step`` it began at."""
+    scaler: dict[str, Any] | None = None
+    """``--precision fp16``: the gradient scaler's ``state_dict`` (scale, growth tracker), the same
+    on every rank and stage; a resume without it would restart from the initial scale."""
+    val_losses: list[float] = field(default_factory=list)
+    """``--val-data``: the validation loss after each completed epoch (empty without it)."""
+    val_accuracy: list[float | None] = field(default_factory=list)
+    """``--val-data``: the validation accuracy after each completed epoch (None for regression)."""
+
+    @property
+    def progress(self) -> tuple[int, int]:
+        return self.epochs_completed, self.step
+
+
+def checkpoint_name(epochs_completed: int, step: int = 0) -> str:
+    return f"checkpoint_epoch_{epochs_completed:06d}" + (f"_step_{step:06d}" if step else "")
+
+
+def _progress_of(name: str) -> tuple[int, int] | None:
+    match = _NAMED.match(name)
+    return (int(match[1]), int(match[2] or 0)) if match else None
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG state: the CPU generator's, and every visible GPU's where CUDA is used."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def saved_rng(state: TrainState, index: int, count: int) -> dict[str, Any] | None:
+    """World rank (or stage) ``index``'s saved RNG state, if ``state`` was taken with ``count`` of them."""
+    return state.rng[index] if len(state.rng) == count else None
+
+
+def resume_rng(saved: dict[str, Any] | None, seed: int, rank: int, epochs_completed: int) -> None:
+    """This rank's RNG as the checkpoint left it; one taken with another rank count has no state
+    for it: a fresh, still deterministic stream then."""
+    if saved is not None:
+        set_rng_state(saved)
+    else:
+        torch.manual_seed(rank_seed(seed, rank, epochs_completed))
+
+
+def restore_scaler(scaler: torch.amp.GradScaler | None, state: TrainState) -> None:
+    """A resumed fp16 run continues from the saved loss scale, not the initial one (a checkpoint
+    without one, from before --precision, leaves the scaler as built)."""
+    if scaler is not None and state.scaler is not None:
+        scaler.load_state_dict(state.scaler)
+
+
+def write_checkpoint(directory: storage.Target, state: TrainState) -> None:
+    """Serialise ``state`` once, straight into ``checkpoint.pt`` (under a temporary name first: a
+    crash never leaves a partial file). No copy of the tensors is made on the way."""
+    shallow = {f.name: getattr(state, f.name) for f in fields(state)}
+    storage.write(storage.join(directory, CHECKPOINT_FILE), lambda stream: torch.save(shallow, stream))
+
+
+def read_checkpoint(directory: storage.Target) -> TrainState:
+    filesystem, path = storage.resolve(storage.join(directory, CHECKPOINT_FILE))
+    with filesystem.open_input_file(path) as file:
+        raw = torch.load(file, map_location="cpu", weights_only=True)
+    if isinstance(raw.get("rng"), torch.Tensor):  # written before every rank's state was kept
+        raw["rng"] = [{"cpu": raw["rng"], "cuda": None}]
+    return TrainState(**raw)
+
+
+def latest_checkpoint(run_dir: storage.Target) -> TrainState | None:
+    """The checkpoint under ``run_dir`` with the most completed work that loads completely, or None.
+
+    Reads the files, not Ray's registry: Ray 2.60 can upload a checkpoint and never register it
+    (a crash within ~2 s of reporting it, or an interrupt before its registry snapshot is
+    written), yet such a checkpoint is complete and exact. One cut short mid-upload fails to
+    load and is skipped, so resume never trusts a half-written checkpoint.
+    """
+    named, unnamed = _checkpoint_dirs(run_dir)
+    # Directories named by an older raypar (Ray's timestamps) say nothing of their progress:
+    # their content does.
+    loaded = [state for state in map(_try_read, (storage.join(run_dir, n) for n in unnamed)) if state]
+    newest_unnamed = max(loaded, key=lambda state: state.progress, default=None)
+    for progress, name in named:
+        if newest_unnamed is not None and newest_unnamed.progress > progress:
+            break
+        state = _try_read(storage.join(run_dir, name))
+        if state is not None:
+            return state
+    return newest_unnamed
+
+
+def latest_progress(run_dir: storage.Target) -> tuple[int, int] | None:
+    """(epochs, step) of the newest checkpoint by its name, without loading it; None if none."""
+    named, unnamed = _checkpoint_dirs(run_dir)
+    if unnamed:
+        state = latest_checkpoint(run_dir)
+        return state.progress if state else None
+    return named[0][0] if named else None
+
+
+def _checkpoint_dirs(run_dir: storage.Target) -> tuple[list[tuple[tuple[int, int], str]], list[str]]:
+    """Checkpoint directories named by progress (newest first), and the others."""
+    names = [name for name in storage.list_dir(run_dir) if name.startswith(CHECKPOINT_PREFIX)
+             and storage.exists(storage.join(run_dir, name, CHECKPOINT_FILE))]
+    named = sorted(((_progress_of(name), name) for name in names if _progress_of(name)), reverse=True)
+    return named, [name for name in names if not _progress_of(name)]
+
+
+def _try_read(directory: storage.Target) -> TrainState | None:
+    try:
+        return read_checkpoint(directory)
+    except Exception:  # truncated or corrupt: torch raises several types
+        return None
+
+
+def slice_state(state: TrainState, keys: set[str], index: int, num_parts: int) -> TrainState:
+    """Part ``index`` of ``num_parts`` of a full state: the weights and optimizer state under
+    ``keys``, and that part's RNG state when the state was taken with as many parts."""
+    params = [{**group, "params": [name for name in group["params"] if name in keys]}
+              for group in state.optimizer.get("param_groups", [])]
+    optimizer = {"state": {k: v for k, v in state.optimizer.get("state", {}).items() if k in keys},
+                 "param_groups": params}
+    saved = saved_rng(state, index, num_parts)
+    return TrainState({k: v for k, v in state.model.items() if k in keys}, optimizer, state.epochs_completed,
+                      state.losses, [saved] if saved is not None else [], state.step, state.step_losses,
+                      scaler=state.scaler)
+
+
+def prune_checkpoints(run_dir: storage.Target, num_to_keep: int) -> None:
+    """Delete all but the ``num_to_keep`` newest checkpoints (by their names' progress)."""
+    named, _ = _checkpoint_dirs(run_dir)
+    for _, name in named[num_to_keep:]:
+        storage.delete_dir(storage.join(run_dir, name))
+
+
+def merge_named_optimizer_states(parts: list[dict]) -> dict:
+    """One optimizer state from the per-stage states of a split model (one param group each)."""
+    merged_group = {**parts[0]["param_groups"][0], "params": []}
+    for part in parts:
+        merged_group["params"] += [name for group in part["param_groups"] for name in group["params"]]
+    return {"state": {k: v for part in parts for k, v in part["state"].items()}, "param_groups": [merged_group]}
+
+
+def named_optimizer_state(optimizer: torch.optim.Optimizer, named_params: dict[str, nn.Parameter]) -> dict:
+    """``optimizer.state_dict()`` with per-parameter state keyed by parameter name, not position."""
+    names = {id(param): name for name, param in named_params.items()}
+    ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    raw = optimizer.state_dict()
+    return {
+        "state": {ordered[index]: value for index, value in raw["state"].items()},
+        "param_groups": [
+            {**{k: v for k, v in group.items() if k != "params"}, "params": [ordered[i] for i in group["params"]]}
+            for group in raw["param_groups"]
+        ],
+    }
+
+
+def load_named_optimizer_state(
+    optimizer: torch.optim.Optimizer, named_params: dict[str, nn.Parameter], named_state: dict
+) -> None:
+    """Inverse of ``named_optimizer_state`` for this optimizer's parameters (a stage's subset is fine)."""
+    names = {id(param): name for name, param in named_params.items()}
+    ordered = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    position = {name: index for index, name in enumerate(ordered)}
+    groups = []
+    for group, saved in zip(optimizer.param_groups, named_state["param_groups"]):
+        hyper = {k: v for k, v in saved.items() if k != "params"}
+        groups.append({**hyper, "params": [position[names[id(p)]] for p in group["params"]]})
+    state = {position[name]: value for name, value in named_state["state"].items() if name in position}
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -1,0 +1,87 @@
+"""One optimizer step as every strategy takes it: the loss, the optimizer, the precision
+(autocast, fp16's scaler), each rank's dropout seed, and the check for a non-finite loss.
+
+Nothing here knows how the batch is split; strategies only decide which rows of each global
+batch a worker or stage sees, and how gradients are combined.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+from ray_jobs.core.config import TrainConfig
+
+
+def rank_seed(seed: int, rank: int, epoch: int = 0) -> int:
+    """The seed of one worker's (or stage's) own RNG, which only what draws at random in the
+    model (dropout) uses: distinct per rank, so ranks draw independent masks. A resume restores
+    each rank's saved state; ``epoch`` reseeds only a resume onto another rank count."""
+    return seed + (epoch << 24) + (rank << 48)
+
+
+def loss_function(task: str) -> nn.Module:
+    """Mean-reduced loss, so equal shards averaged by all-reduce give the global-batch mean."""
+    return nn.CrossEntropyLoss() if task == "classification" else nn.MSELoss()
+
+
+def build_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """Where the forward and the loss run: in ``--precision``'s dtype under autocast, or as they
+    are (fp32: no autocast at all, so fp32 runs are bit-identical to runs before the flag).
+    Parameters stay float32, so their gradients and the optimizer state do too; DDP all-reduces
+    those float32 gradients."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=AUTOCAST_DTYPES[precision])
+
+
+def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | None:
+    """fp16's loss scaler (its small range would flush small gradients to zero); None otherwise.
+    Its state (scale, growth tracker) belongs in the checkpoint."""
+    return torch.amp.GradScaler(device.type) if precision == "fp16" else None
+
+
+def train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module, x: torch.Tensor, y: torch.Tensor,
+    weight: float = 1.0, *, precision: str = "fp32", scaler: torch.amp.GradScaler | None = None,
+) -> torch.Tensor:
+    """One optimizer step on one (shard of a) global batch; returns the detached loss, scaled by
+    ``weight`` (``shard_weight``: an uneven slice's share of the global batch). With a ``scaler``
+    (fp16), a step whose gradients overflowed is skipped and the scale lowered, as ``GradScaler``
+    does: every DDP rank sees the same all-reduced gradients, so all skip together."""
+    optimizer.zero_grad(set_to_none=True)
+    with autocast(precision, x.device):
+        loss = loss_fn(model(x), y)
+    if weight != 1.0:  # skipped when even: the unscaled graph keeps results bit-identical to before
+        loss = loss * weight
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return loss.detach()
+
+
+def non_finite_loss(step_losses: list[float], epoch: int, first_step: int = 0) -> str | None:
+    """The message for the first NaN/inf global-batch loss of an epoch (``step_losses`` start at
+    global batch ``first_step``), or None."""
+    for step, loss in enumerate(step_losses, start=first_step):
+        if not math.isfinite(loss):
+            return (
+                f"loss became {loss} at epoch {epoch + 1}, step {step + 1}; lower --lr or check the data "
+                "(the last good checkpoint is kept, model.pt is not written)"
+            )
+    return None

@@ -1,0 +1,69 @@
+"""A finished run's outputs, the same for every strategy: ``model.pt`` (the unsplit
+``state_dict``) and ``summary.json``, written by the driver into the run directory.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from ray_jobs.core.checkpoint import TrainState
+from ray_jobs.core.config import TrainConfig
+from ray_jobs.core.evaluation import best_epoch
+from ray_jobs.data import storage
+from ray_jobs.data.parquet import Dataset
+from ray_jobs.data.stream import StreamDataset
+from ray_jobs.driver.prepare import PreparedRun
+from ray_jobs.driver.summary import TrainSummary
+
+
+def model_record(cfg: TrainConfig, dataset: Dataset | StreamDataset) -> dict[str, Any]:
+    """``summary.json``'s ``model``: the model (a registered name or ``module.path:callable``), the
+    data's widths and the model's options, so ``models.build_model(**record)`` rebuilds ``model.pt``'s
+    architecture from the summary alone."""
+    return {"name": cfg.model, "in_features": dataset.in_features, "out_features": dataset.out_features,
+            **cfg.model_options}
+
+
+def finish(
+    prepared: PreparedRun,
+    final: TrainState,
+    metrics: dict[str, Any],
+    world_size: int,
+    extra_config: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> TrainSummary:
+    """Write ``model.pt`` and ``summary.json`` into the run directory and return the summary."""
+    cfg, dataset = prepared.cfg, prepared.dataset
+    summary = TrainSummary(
+        strategy=prepared.strategy,
+        world_size=world_size,
+        epochs_completed=final.epochs_completed,
+        losses=[float(loss) for loss in final.losses],
+        samples_per_second=metrics.get("samples_per_second"),
+        resumed_from_epoch=metrics.get("resumed_from_epoch"),
+        model=model_record(cfg, dataset),
+        config={**asdict(cfg), "name": prepared.name, **extra_config},
+        run_dir=prepared.run_dir,
+        worker_nodes=metrics.get("worker_nodes"),
+        resumed_from_step=metrics.get("resumed_from_step"),
+        ingest=dataset.ingest,
+        bytes_read=metrics.get("bytes_read", dataset.file_bytes if dataset.ingest == "memory" else None),
+        data_wait_fraction=metrics.get("data_wait_fraction"),
+        precision=cfg.precision,
+        task=dataset.task,
+        **validation_summary(prepared, final),
+        extra=extra or {},
+    )
+    storage.write(storage.join(prepared.run_dir, "model.pt"), lambda stream: torch.save(final.model, stream))
+    storage.write_bytes(storage.join(prepared.run_dir, "summary.json"), summary.to_json().encode())
+    return summary
+
+
+def validation_summary(prepared: PreparedRun, final: TrainState) -> dict[str, Any]:
+    if prepared.val_dataset is None:
+        return {}
+    classification = prepared.val_dataset.task == "classification"
+    return {"val_losses": list(final.val_losses), "val_accuracy": list(final.val_accuracy) if classification else None,
+            "best_epoch": best_epoch(final.val_losses)}

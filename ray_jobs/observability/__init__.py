@@ -1,0 +1,6 @@
+"""What a run lets you watch: TensorBoard event files (``tensorboard``) and the processes' CPU,
+steal and peak memory (``process_stats``).
+
+Runs where it is measured: world rank 0 of the Ray Train workers writes the event files, the
+pipeline's driver writes its own; every worker and stage reads its own process's statistics.
+"""

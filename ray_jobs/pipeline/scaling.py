@@ -1,0 +1,131 @@
+"""The pipeline's flags (``PipelineScaling``): how many stages and micro-batches, the schedule,
+the transport, each stage's resources and where they are placed, and how the model is cut;
+checked on the driver before Ray is touched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from models import build_model, is_user_model, split_into_stages
+from ray_jobs.core.config import (
+    PLACEMENT_STRATEGIES,
+    TrainConfig,
+    flag_doc,
+    require,
+    require_choice,
+    require_divisible,
+    require_gpu_for_fp16,
+)
+from ray_jobs.driver.prepare import PreparedRun
+from ray_jobs.driver.resources import gpu_sharing
+from ray_jobs.pipeline.cut import StageCut, cut_stages, measured_unit_costs, stage_keys
+from ray_jobs.pipeline.schedules import SCHEDULES
+from ray_jobs.pipeline.transports import TRANSPORTS
+
+STAGE_BALANCES = ("params", "time")  # what --stage-balance evens out between the stages
+
+
+@dataclass
+class PipelineScaling:
+    """How the model is cut and where its stages run."""
+
+    num_stages: int = field(default=2, metadata=flag_doc("pipeline stages, one Ray actor (and GPU) each", "pipeline"))
+    num_microbatches: int = field(default=4, metadata=flag_doc("micro-batches per global batch", "pipeline"))
+    schedule: str = field(default="1f1b", metadata=flag_doc("micro-batch schedule", "pipeline", choices=sorted(SCHEDULES)))
+    use_gpu: bool = field(default=False, metadata=flag_doc("give each stage GPUs (--gpus-per-stage)", default_text="CPU"))
+    gpus_per_stage: float = field(default=1.0, metadata=flag_doc(
+        "GPUs per stage with --use-gpu; a fraction lets small stages share one GPU (then over p2p or actor_calls, "
+        "not nccl)"))
+    cpus_per_stage: float = field(default=1.0, metadata=flag_doc("CPUs per stage actor; also its torch threads"))
+    placement_strategy: str = field(
+        default="PACK", metadata=flag_doc("PACK keeps neighbouring stages on one node", choices=PLACEMENT_STRATEGIES)
+    )
+    transport: str = field(
+        default="auto",
+        metadata=flag_doc("p2p: torch.distributed (gloo) send/recv between the stages, one actor call per "
+                      "stage per --batches-per-call batches, tensors through host memory; compiled: a Ray Compiled Graph (nccl "
+                      "between GPUs); actor_calls: one actor call per op; auto: compiled for GPU stages on "
+                      "one node, else p2p", "pipeline", choices=TRANSPORTS),
+    )
+
+    batch_timeout_s: float = field(
+        default=600.0, metadata=flag_doc("fail the run when one global batch takes longer than this (s)", "pipeline")
+    )
+    stage_balance: str = field(default="params", metadata=flag_doc(
+        "how the model is cut: params balances the stages' parameter counts; time times each layer's "
+        "forward and backward on the driver's CPU over one micro-batch and balances that, for layers whose "
+        "compute is out of proportion to their parameters (convolutions)", "pipeline", choices=STAGE_BALANCES))
+    batches_per_call: int = field(
+        default=8,
+        metadata=flag_doc("p2p: global batches per actor call; more removes the dispatch gap between batches, "
+                          "fewer lets Ctrl-C and the batch timeout act sooner (every batch still has its "
+                          "own loss and optimizer step)", "pipeline"),
+    )
+
+    def __post_init__(self) -> None:
+        require(self.batch_timeout_s > 0, "batch_timeout_s", self.batch_timeout_s, "positive")
+        require(self.batches_per_call >= 1, "batches_per_call", self.batches_per_call, "at least 1")
+        require_choice(self.transport, TRANSPORTS, "transport")
+        require_choice(self.stage_balance, STAGE_BALANCES, "stage_balance")
+        require(self.num_stages >= 1, "num_stages", self.num_stages, "at least 1")
+        require(self.num_microbatches >= 1, "num_microbatches", self.num_microbatches, "at least 1")
+        require(self.cpus_per_stage > 0, "cpus_per_stage", self.cpus_per_stage, "positive")
+        require(self.gpus_per_stage > 0, "gpus_per_stage", self.gpus_per_stage, "positive")
+        if self.gpus_per_stage != 1.0 and not self.use_gpu:
+            raise ValueError("--gpus-per-stage needs --use-gpu")
+        require_choice(self.schedule, sorted(SCHEDULES), "schedule")
+        require_choice(self.placement_strategy, PLACEMENT_STRATEGIES, "placement_strategy")
+
+    def check(self, cfg: TrainConfig) -> None:
+        """Checks that need both configs, run before Ray is touched."""
+        require_divisible(cfg.batch_size, self.num_microbatches, "--num-microbatches")
+        require_gpu_for_fp16(cfg, self.use_gpu, "--use-gpu")
+        if cfg.precision == "fp16" and self.transport not in ("auto", "p2p"):
+            raise ValueError(f"--precision fp16 on the pipeline needs --transport p2p, not {self.transport}: its "
+                             "stages skip an overflowing step together by agreeing over p2p's process group")
+        shared = self.shared_gpus
+        if shared and self.transport == "compiled":
+            raise ValueError(f"--transport compiled cannot connect stages that share a GPU ({shared}; nccl "
+                             "refuses two ranks on one device): use --transport p2p or actor_calls, or "
+                             "--gpus-per-stage 1")
+        # A registered model's layer count does not depend on the data's widths, so any widths tell
+        # whether S fits; a user's model may need its real widths: it is cut once the data is read.
+        if not is_user_model(cfg.model):
+            split_into_stages(build_model(cfg.model, 1, 1, **cfg.model_options), self.num_stages)
+
+    def check_model(self, prepared: PreparedRun) -> list[set[str]]:
+        """Cut the model (on the meta device) with the data's widths: each stage's state_dict keys."""
+        return stage_keys(prepared.cfg, prepared.dataset, self.num_stages, prepared.model_factory)
+
+    def cut(self, prepared: PreparedRun) -> StageCut:
+        """How the run's model is cut, by ``--stage-balance``; said on one line when measured."""
+        cfg, dataset, factory = prepared.cfg, prepared.dataset, prepared.model_factory
+        if self.stage_balance == "params":
+            return cut_stages(cfg, dataset, self.num_stages, factory)
+        seconds = measured_unit_costs(cfg, dataset, prepared.initial_state, self.num_microbatches,
+                                      max(1, int(self.cpus_per_stage)), factory)
+        cut = cut_stages(cfg, dataset, self.num_stages, factory, seconds)
+        by_params = cut_stages(cfg, dataset, self.num_stages, factory)
+        print(f"[raypar] --stage-balance time: stages of children {' | '.join(map(' '.join, cut.children))}; "
+              f"measured {_stage_ms(cut, seconds)} ms per micro-batch and stage "
+              f"(cut by parameters: {_stage_ms(by_params, seconds)})", flush=True)
+        return cut
+
+    @property
+    def gpus_each(self) -> float | None:
+        return self.gpus_per_stage if self.use_gpu else None
+
+    @property
+    def shared_gpus(self) -> str | None:
+        """Why two stages may share a GPU (``devices.gpu_sharing``), or None."""
+        return gpu_sharing(self.num_stages, self.gpus_each, what="--num-stages", flag="--gpus-per-stage")
+
+    @property
+    def bundles(self) -> list[dict[str, float]]:
+        bundle = {"CPU": self.cpus_per_stage, **({"GPU": self.gpus_per_stage} if self.use_gpu else {})}
+        return [dict(bundle) for _ in range(self.num_stages)]
+
+
+def _stage_ms(cut: StageCut, unit_seconds: list[float]) -> str:
+    bounds = [sum(cut.num_units[:k]) for k in range(len(cut.num_units) + 1)]
+    return ", ".join(f"{1000 * sum(unit_seconds[a:b]):.2f}" for a, b in zip(bounds, bounds[1:]))

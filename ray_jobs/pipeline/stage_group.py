@@ -1,0 +1,134 @@
+"""The stage actors of one pipeline attempt: placed together, started, probed and removed together."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ray_jobs.core.checkpoint import TrainState, merge_named_optimizer_states, slice_state
+from ray_jobs.driver.prepare import PreparedRun
+from ray_jobs.errors import TrainingFailed
+from ray_jobs.pipeline.cut import StageCut
+from ray_jobs.pipeline.stage import StageWorker
+from ray_jobs.pipeline.transports import STAGE_FAILURES, TransportFailed, connect, resolve_transport
+
+PROBE_TIMEOUT_S = 10.0  # how long a failed pipeline waits for its stages to answer "are you alive"
+
+
+class StartFailed(TrainingFailed):
+    """An attempt's start failed (placement, a stage that died, a group that never formed):
+    like a stage lost mid-run, it costs one of ``--max-failures``."""
+
+
+class StageGroup:
+    """One placement-group bundle and one ``StageWorker`` actor per stage, and the transport
+    between them. A start that fails removes everything it created before raising."""
+
+    def __init__(self, prepared: PreparedRun, scaling, cut: StageCut, reader=None,
+                 on_started: Callable[[list], None] | None = None) -> None:
+        """``cut``: how the model is cut (``cut.cut_stages``), the same for every attempt;
+        ``on_started``: called with the actors once they run, before they connect (tests' faults)."""
+        self.scaling, self.cut, self.keys, self.reader = scaling, cut, cut.keys, reader
+        self.group = placement_group(scaling.bundles, strategy=scaling.placement_strategy)
+        self.actors: list = []
+        self.nodes: list[str] = []
+        self.transport = None
+        try:
+            self._start_all(prepared, on_started)
+        except STAGE_FAILURES as error:
+            reason = self.describe_failure(error)
+            self.shutdown()
+            raise StartFailed(f"{reason}, while the stages started") from error
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_all(self, prepared: PreparedRun, on_started: Callable[[list], None] | None) -> None:
+        scaling, timeout = self.scaling, prepared.cfg.resource_timeout
+        ready, _ = ray.wait([self.group.ready()], timeout=timeout)
+        if not ready:
+            raise StartFailed(f"the {scaling.num_stages} stage bundles {scaling.bundles[0]} were not placed "
+                              f"within --resource-timeout {timeout:g} s ({scaling.placement_strategy})")
+        requested = resolve_transport(scaling, _bundle_nodes(self.group), prepared.cfg.precision)
+        device_transport = scaling.use_gpu and requested == "compiled"
+        dataset = ray.put(prepared.dataset)
+        self.actors = [self._start(index, prepared, dataset, {k: prepared.initial_state[k] for k in self.keys[index]},
+                                   device_transport) for index in range(scaling.num_stages)]
+        self.nodes = ray.get([actor.node_id.remote() for actor in self.actors])
+        if on_started is not None:
+            on_started(self.actors)
+        try:
+            self.transport = connect(requested, self.actors, self.nodes, scaling, device_transport)
+        except TransportFailed as error:
+            raise StartFailed(f"{error} (stages on nodes {self.nodes})") from error
+
+    def _start(self, index: int, prepared: PreparedRun, dataset, initial_slice: dict, device_transport: bool):
+        options = dict(
+            num_cpus=self.scaling.cpus_per_stage,
+            num_gpus=self.scaling.gpus_each or 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index),
+        )
+        actor_cls = ray.remote(StageWorker).options(**options)
+        return actor_cls.remote(
+            index, self.scaling.num_stages, self.scaling.num_microbatches, asdict(prepared.cfg), dataset,
+            initial_slice, max(1, int(self.scaling.cpus_per_stage)), self.scaling.use_gpu, device_transport,
+            self.reader, prepared.model_factory, self.cut.unit_costs,
+        )
+
+    def gather_state(self) -> tuple[dict, dict, list, dict | None]:
+        """The unsplit model's weights and optimizer state from every stage's slice, each stage's
+        RNG state, and the fp16 scaler's state (the stages keep one scale: stage 0's)."""
+        parts = ray.get([actor.state.remote() for actor in self.actors])
+        weights = {k: v for stage_weights, *_ in parts for k, v in stage_weights.items()}
+        optimizer = merge_named_optimizer_states([optimizer for _, optimizer, *_ in parts])
+        return weights, optimizer, [rng for _, _, rng, _ in parts], parts[0][3]
+
+    def take_timing(self) -> list[dict[str, float]]:
+        return ray.get([actor.take_timing.remote() for actor in self.actors])
+
+    def peak_memory(self) -> list[dict[str, int | None]]:
+        return ray.get([actor.peak_memory.remote() for actor in self.actors])
+
+    def restore(self, state: TrainState) -> None:
+        """Send each stage its own slice of ``state``, never the whole."""
+        num_stages = len(self.actors)
+        ray.get([actor.restore.remote(slice_state(state, self.keys[index], index, num_stages))
+                 for index, actor in enumerate(self.actors)])
+
+    def describe_failure(self, error: Exception) -> str:
+        """Name the dead stage by probing every actor at once: the error alone does not say
+        which. A dead actor's probe fails at once; a live one may be blocked (in a receive from
+        the dead stage, or behind its queued batches) and answer late or never, so silence
+        alone does not make a stage the culprit."""
+        probes = {actor.node_id.remote(): index for index, actor in enumerate(self.actors)}
+        waiting, deadline = list(probes), time.monotonic() + PROBE_TIMEOUT_S
+        while waiting:
+            ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            try:
+                ray.get(ready[0])
+            except Exception:  # the actor is gone
+                index = probes[ready[0]]
+                node = self.nodes[index] if index < len(self.nodes) else "(not started)"
+                return f"stage {index} actor on node {node} died"
+        cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        silent = sorted(probes[ref] for ref in waiting)
+        if silent:
+            return f"stages {silent} stopped answering ({cause})"
+        return f"a stage failed ({cause})"
+
+    def shutdown(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        for actor in self.actors:
+            ray.kill(actor)
+        remove_placement_group(self.group)
+
+
+def _bundle_nodes(group) -> list[str]:
+    return list(placement_group_table(group)["bundles_to_node_id"].values())

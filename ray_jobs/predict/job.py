@@ -1,0 +1,71 @@
+"""Batch prediction: ``python -m ray_jobs.predict --run-dir runs/NAME --data new.parquet --out pred.parquet``.
+
+Ray Data reads the input, a pool of ``--num-workers`` actors (each loads the run's model once, on
+its GPU with ``--use-gpu``) appends the predictions, and one Parquet file is written with every
+input column, in input order, plus ``prediction`` (regression: the outputs as a list of floats;
+classification: the class index) and, for classification, ``probabilities`` (softmax).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+from ray_jobs.core.config import (
+    ADDRESS_HELP,
+    ArgumentParser,
+    add_flags,
+    flag_doc,
+    flag_group,
+    from_args,
+    require,
+    require_choice,
+)
+from ray_jobs.driver.connect import join, reachable
+from ray_jobs.predict.inference import WEIGHTS, check_input, load_run, predict
+
+
+@dataclass
+class PredictConfig:
+    """What to predict with, on what, and where to put it."""
+
+    run_dir: str | None = field(default=None, metadata=flag_doc(
+        "a finished run's directory (<storage-path>/<name>), local or a URI", "data", "none: required"))
+    data: str | None = field(default=None, metadata=flag_doc(
+        "Parquet file or directory to predict, local or a URI", "data", "none: required"))
+    out: str | None = field(default=None, metadata=flag_doc(
+        "the Parquet file to write, local or a URI", "data", "none: required"))
+    feature_column: str = field(default="features", metadata=flag_doc("list<float> column of inputs", "data"))
+    checkpoint: str = field(default="final", metadata=flag_doc(
+        "final: model.pt; best: best_model.pt (a run with --val-data)", "model", choices=tuple(WEIGHTS)))
+    batch_size: int = field(default=1024, metadata=flag_doc("rows per model call", "training"))
+    num_workers: int = field(default=1, metadata=flag_doc("actors in the pool, each holding the model once"))
+    use_gpu: bool = field(default=False, metadata=flag_doc("one GPU per actor", default_text="CPU"))
+
+    def __post_init__(self) -> None:
+        for flag in ("run_dir", "data", "out"):
+            if getattr(self, flag) is None:
+                raise ValueError(f"--{flag.replace('_', '-')} is required")
+        require_choice(self.checkpoint, tuple(WEIGHTS), "checkpoint")
+        require(self.batch_size >= 1, "batch_size", self.batch_size, "at least 1")
+        require(self.num_workers >= 1, "num_workers", self.num_workers, "at least 1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog="python -m ray_jobs.predict", description=__doc__)
+    add_flags(parser, PredictConfig, "placement")
+    flag_group(parser, "placement").add_argument(
+        "--address", default=None, help=ADDRESS_HELP)
+    args = parser.parse_args(argv)
+    try:
+        cfg = from_args(PredictConfig, args)
+        target = reachable(args.address)  # a wrong address fails in seconds, before the model is read
+        trained = load_run(cfg.run_dir, cfg.checkpoint)
+        filesystem, files = check_input(cfg.data, cfg.feature_column, trained.record["in_features"])
+        join(target, args.address)
+        rows = predict(trained, filesystem, files, cfg.out, cfg.feature_column, cfg.batch_size, cfg.num_workers,
+                       cfg.use_gpu)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"[raypar] wrote {rows:,} predictions ({trained.task}, {cfg.checkpoint} model) to {cfg.out}")
+    return 0

@@ -1,0 +1,118 @@
+"""The actor pipeline trains the single-process reference model, for both schedules and any S, M."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from models import build_model
+from ray_jobs.core.config import TrainConfig
+from ray_jobs.errors import TrainingFailed
+from ray_jobs.pipeline.scaling import PipelineScaling
+from tests.helpers import assert_same_weights, load_weights, reference_for, run_strategy, with_
+
+pytestmark = pytest.mark.ray
+
+MODELS = {
+    # name: (model options, num_stages)
+    "seed-split": ({}, 2),
+    "mlp-3": ({"model": "mlp", "hidden": 12, "depth": 3}, 3),
+    "mlp-4": ({"model": "mlp", "hidden": 12, "depth": 5}, 4),
+}
+CASES = [
+    # p2p, the default transport: every model (S = 2, 3, 4) and schedule, micro-batches interleaved
+    (model, schedule, 4, True, "p2p") for model in MODELS for schedule in ("gpipe", "1f1b")
+] + [
+    ("seed-split", "gpipe", 1, False, "p2p"),  # M=1 < S: the pipeline never fills
+    ("mlp-3", "sequential", 4, False, "p2p"),
+    # the other transports: the same arithmetic over another path
+    ("mlp-3", "gpipe", 2, False, "actor_calls"),
+    ("mlp-4", "1f1b", 2, True, "actor_calls"),
+    ("mlp-3", "1f1b", 4, True, "compiled"),
+    ("mlp-4", "gpipe", 4, False, "compiled"),
+]
+TRANSPORT_NAMES = {"p2p": "p2p_gloo", "compiled": "compiled_graph", "actor_calls": "actor_calls"}
+
+
+@pytest.fixture
+def base(regression_data, tmp_path) -> TrainConfig:
+    return TrainConfig(model="seed-split", data=regression_data, epochs=2, batch_size=16, seed=5,
+                       momentum=0.9, storage_path=str(tmp_path), name="run")
+
+
+@pytest.mark.parametrize(("model", "schedule", "num_microbatches", "shuffle", "transport"), CASES)
+def test_matches_single_process_reference(ray_cluster, base, model, schedule, num_microbatches, shuffle, transport):
+    options, num_stages = MODELS[model]
+    cfg = with_(base, shuffle=shuffle, **options)
+    scaling = PipelineScaling(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule,
+                              transport=transport)
+    summary = run_strategy("pipeline", cfg, scaling=scaling)
+    expected_weights, expected_losses = reference_for(cfg)
+    # Micro-batch gradients are summed (each loss divided by M) instead of taken from one
+    # full-batch mean: float32 rounding differs per step. A missing 1/M would be off by M-fold.
+    assert_same_weights(load_weights(summary.run_dir), expected_weights)
+    assert summary.losses == pytest.approx(expected_losses, rel=1e-5)
+    record = json.loads(open(f"{summary.run_dir}/summary.json").read())
+    assert record["strategy"] == "pipeline" and record["world_size"] == num_stages
+    assert len(record["stage_nodes"]) == num_stages and "worker_nodes" not in record
+    assert record["transport"] == TRANSPORT_NAMES[transport]
+    assert 0.0 <= record["bubble_fraction"] < 1.0
+    if schedule == "1f1b":
+        assert record["peak_live_microbatches"] <= min(num_stages, num_microbatches)
+
+
+def test_batches_per_call_changes_nothing(ray_cluster, base):
+    # 12 batches per epoch in calls of 5, 5 and 2: more calls than are kept in flight, and a short one.
+    cfg = with_(base, shuffle=True, batch_size=8, **MODELS["mlp-3"][0])
+    scaling = PipelineScaling(num_stages=3, num_microbatches=4, schedule="1f1b", batches_per_call=5)
+    summary = run_strategy("pipeline", cfg, scaling=scaling)
+    expected_weights, expected_losses = reference_for(cfg)
+    assert_same_weights(load_weights(summary.run_dir), expected_weights)  # tolerance: as above
+    assert summary.losses == pytest.approx(expected_losses, rel=1e-5)
+
+
+def test_classification_and_adamw(ray_cluster, base, classification_data):
+    cfg = with_(base, data=classification_data, model="mlp", hidden=8, depth=3, momentum=0.0,
+                optimizer="adamw", lr=0.01, weight_decay=0.01, epochs=3)
+    summary = run_strategy("pipeline", cfg, scaling=PipelineScaling(num_stages=3, num_microbatches=4))
+    assert_same_weights(load_weights(summary.run_dir), reference_for(cfg)[0])
+
+
+def test_ddp_checkpoint_seeds_a_pipeline_and_pipeline_weights_load_into_the_model(ray_cluster, base, tmp_path):
+    ddp_cfg = with_(base, model="mlp", hidden=8, depth=4, name="ddp")
+    ddp_summary = run_strategy("ddp", ddp_cfg, num_workers=1)
+    checkpoint = next((tmp_path / "ddp").glob("checkpoint_*/checkpoint.pt"))  # a raypar training checkpoint
+    cfg = with_(ddp_cfg, name="pipe", init_from=str(checkpoint), epochs=1)
+    summary = run_strategy("pipeline", cfg, scaling=PipelineScaling(num_stages=2, num_microbatches=2))
+    init_state = torch.load(checkpoint, weights_only=True)["model"]
+    assert_same_weights(load_weights(summary.run_dir), reference_for(cfg, init_state=init_state)[0])
+    model = build_model("mlp", 6, 3, hidden=8, depth=4)
+    model.load_state_dict(load_weights(summary.run_dir))  # the full unsplit state_dict, no key rewriting
+    assert ddp_summary.epochs_completed == 2
+
+
+@pytest.mark.parametrize("transport", ["p2p", "compiled", "actor_calls"])
+def test_killed_stage_resumes_from_checkpoint_with_reference_weights(ray_cluster, base, transport):
+    cfg = with_(base, model="mlp", hidden=8, depth=3, epochs=3, max_failures=1)
+    scaling = PipelineScaling(num_stages=3, num_microbatches=2, transport=transport)
+    summary = run_strategy("pipeline", cfg, scaling=scaling, crash_at_epoch=1)
+    assert summary.resumed_from_epoch == 1
+    assert_same_weights(load_weights(summary.run_dir), reference_for(cfg)[0])
+
+
+def test_killed_stage_without_retries_names_the_stage(ray_cluster, base, tmp_path):
+    # Three stages: when the last dies, stage 0 stays blocked waiting on stage 1 and never
+    # answers a probe; only the stage that is really gone may be named.
+    cfg = with_(base, model="mlp", hidden=8, depth=3, epochs=2)
+    with pytest.raises(TrainingFailed, match=r"stage 2 actor on node \w+ died; --max-failures 0 exhausted"):
+        run_strategy("pipeline", cfg, scaling=PipelineScaling(num_stages=3, num_microbatches=2), crash_at_epoch=1)
+    assert not (tmp_path / "run" / "model.pt").exists()
+
+
+def test_rerun_with_same_name_resumes(ray_cluster, base):
+    scaling = PipelineScaling(num_stages=2, num_microbatches=4, schedule="gpipe")
+    run_strategy("pipeline", with_(base, epochs=1), scaling=scaling)
+    summary = run_strategy("pipeline", with_(base, epochs=3), scaling=scaling)
+    assert summary.resumed_from_epoch == 1 and summary.epochs_completed == 3
+    assert_same_weights(load_weights(summary.run_dir), reference_for(with_(base, epochs=3))[0])

@@ -1,0 +1,41 @@
+"""The bench's plain-torch peer (no Ray): it trains exactly what raypar trains."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from models import build_model
+from ray_jobs.bench.peer import torch_ddp
+from ray_jobs.core.config import TrainConfig
+from ray_jobs.data.parquet import read_dataset
+from tests.helpers import REPO, assert_same_weights, reference_for
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_torch_ddp_peer_with_two_processes_matches_a_single_process_loop(regression_data, shuffle):
+    """The peer must train exactly what raypar trains, or the overhead ratio compares different work."""
+    cfg = TrainConfig(model="seed-mlp", hidden=8, data=regression_data, epochs=2, batch_size=16, lr=0.05,
+                      seed=3, shuffle=shuffle)
+    dataset = read_dataset(regression_data)
+    torch.manual_seed(cfg.seed)
+    initial = build_model(cfg.model, dataset.in_features, dataset.out_features, hidden=8).state_dict()
+    got = torch_ddp(cfg, dataset, initial, world_size=2, timeout_s=120)
+    expected_state, expected_losses = reference_for(cfg)
+    assert_same_weights(got.state, expected_state)
+    # the loss of each step is all-reduced as a mean of shard means: float32 summation order.
+    torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(expected_losses), rtol=1e-5, atol=1e-6)
+    assert got.world_size == 2 and got.samples_per_second > 0
+    assert 0 < got.first_step_s < got.wall_s
+    assert len(got.peak_rss_bytes) == 2 and min(got.peak_rss_bytes) > 10 * 2**20
+    assert len(got.epoch_steal) == cfg.epochs and all(x is None or 0 <= x <= 1 for x in got.epoch_steal)
+
+
+def test_the_peers_processes_import_no_ray():
+    """The peer's spawned processes import its module: Ray there would inflate the start-up cost
+    that raypar's is compared with."""
+    code = "import sys, ray_jobs.bench.peer; print(*(m for m in sys.modules if m.split('.')[0] == 'ray'))"
+    imported = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert imported.stdout.split() == []

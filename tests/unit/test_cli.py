@@ -1,0 +1,109 @@
+"""Entry points: bad input is one ``error:`` line and a non-zero exit, before Ray is touched."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from models import build_model
+from ray_jobs import ddp, dp
+from tests.helpers import REPO
+
+BAD_INPUT = [
+    (["--num-workers", "0"], "error: --num-workers must be at least 1, got 0"),
+    (["--num-workers", "4", "--batch-size", "3"], "error: --batch-size 3 is smaller than --num-workers 4: every worker"),
+    (["--num-workers", "2", "--min-workers", "3"], "error: --min-workers must be between 1 and --num-workers 2, got 3"),
+    (["--min-workers", "1"], "error: --min-workers 1 needs --max-failures of at least 1"),
+    (["--resize-interval", "5"], "error: --resize-interval applies to an elastic run: give --min-workers"),
+    (["--min-workers", "1", "--max-failures", "1", "--resize-interval", "0"],
+     "error: --resize-interval must be positive, got 0.0"),
+    (["--model", "vit"], "error: --model 'vit' is unknown; valid models: mlp, seed-linear, seed-mlp, seed-split"),
+    (["--model", "seed-linear", "--hidden", "4"], "error: model 'seed-linear' does not take --hidden"),
+    (["--epochs", "-1"], "error: --epochs must be at least 1, got -1"),
+    (["--placement-strategy", "ANY"], "error: --placement-strategy 'ANY' is unknown"),
+    (["--data", "/nonexistent/data.parquet"], "error: --data /nonexistent/data.parquet: no such file or directory"),
+    (["--batch-size", "4096"], "error: the dataset has 1024 rows, fewer than one global batch (--batch-size 4096)"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_INPUT)
+def test_ddp_bad_input(argv, message, capsys, tmp_path):
+    assert ddp.main([*argv, "--storage-path", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err
+    assert len(err.splitlines()) == 1
+    assert not any(tmp_path.iterdir())  # nothing a later resume could trust
+
+
+def test_argparse_errors_exit_2_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        dp.main(["--gpus", "x"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "python -m ray_jobs.dp: error: argument --gpus: invalid int value: 'x' (see --help)"
+    ]
+
+
+def test_init_from_that_does_not_match_the_model(tmp_path, capsys):
+    weights = tmp_path / "other.pt"
+    torch.save(build_model("seed-mlp", 10, 5, hidden=3).state_dict(), weights)
+    assert dp.main(["--init-from", str(weights), "--storage-path", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert "error: --init-from" in err and "does not match --model seed-mlp with 10 inputs and 5 outputs" in err
+    (tmp_path / "junk.pt").write_text("junk")
+    assert dp.main(["--init-from", str(tmp_path / "junk.pt")]) == 2
+    assert "not a torch state_dict" in capsys.readouterr().err
+
+
+def test_unwritable_storage_path(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert ddp.main(["--storage-path", str(blocker / "runs")]) == 2
+    assert "error: --storage-path" in capsys.readouterr().err
+
+
+def test_a_real_process_prints_no_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "ray_jobs.ddp", "--num-workers", "3", "--batch-size", "2"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("error: --batch-size 2 is smaller than --num-workers 3: every worker needs at "
+                                     "least one row of each global batch")
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+HELP_SECTIONS = {
+    "ddp": ["data", "model", "training", "placement", "checkpoints", "ingest"],
+    "dp": ["data", "model", "training", "placement", "checkpoints", "ingest"],
+    "pipeline": ["data", "model", "training", "pipeline", "placement", "checkpoints", "ingest"],
+}
+
+
+@pytest.mark.parametrize("strategy", sorted(HELP_SECTIONS))
+def test_help_groups_flags_as_the_readme_does_each_with_its_default(strategy, capsys):
+    from ray_jobs.pipeline import trainer as pipeline
+
+    module = {"ddp": ddp, "dp": dp, "pipeline": pipeline}[strategy]
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    sections = [line[:-1] for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert sections[sections.index("data"):] == HELP_SECTIONS[strategy]
+    for flag in text.split("\n  --")[1:]:
+        assert "(default: " in " ".join(flag.split()), flag  # argparse wraps a flag's help: join it
+    readme = (REPO / "README.md").read_text()
+    for section in HELP_SECTIONS[strategy]:
+        assert f"| {section}" in readme, section  # the README's flag reference uses the same groups
+
+
+def test_auto_task_says_what_it_chose_and_why(classification_data, tmp_path, capsys):
+    from ray_jobs.core.config import TrainConfig
+    from ray_jobs.driver.prepare import prepare
+
+    prepare(TrainConfig(data=classification_data, batch_size=16, storage_path=str(tmp_path)), "ddp")
+    assert ("[raypar] task: classification (column 'target' holds integers; 4 classes from the files' "
+            "raypar.num_classes; --task to choose)") in capsys.readouterr().out

@@ -1,0 +1,26 @@
+"""A failure's one line: where it happened, then what, found under any of Ray's wrapping."""
+from __future__ import annotations
+
+import torch
+
+from ray_jobs.errors import Failure, describe, root_cause
+
+
+def test_describe_names_where_and_cuda_out_of_memory():
+    assert describe(ValueError("bad shape\ndetails"), "stage 1") == "stage 1: ValueError: bad shape"
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert describe(oom, "world rank 3") == "world rank 3: CUDA out of memory. Tried to allocate 2.00 GiB"
+
+
+def test_root_cause_finds_the_described_failure_under_any_wrapping():
+    try:
+        try:
+            raise Failure("stage 1: RuntimeError: injected fault") from KeyError("inner")
+        except Failure as failure:
+            raise RuntimeError("ray::StageWorker.run_batches() (pid=1)\n  Traceback ...") from failure
+    except RuntimeError as wrapped:
+        assert root_cause(wrapped) == "stage 1: RuntimeError: injected fault"
+    assert root_cause(RuntimeError("outer")) == "outer"
+    # Ray Train passes a worker's error on as its traceback's text
+    text = "Traceback (most recent call last):\n  ...\nray_jobs.errors.Failure: world rank 1: KeyError: 'x'"
+    assert root_cause(RuntimeError(text)) == "world rank 1: KeyError: 'x'"
