@@ -8,6 +8,7 @@ and SPREAD placement behaves as on real machines. The dashboard and job API list
 ``preempt`` kills one worker node's every process at once, as a spot preemption would, and
 ``rejoin`` starts it again, as an autoscaler would replace it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -128,14 +129,27 @@ def ray_env(state: dict) -> dict[str, str]:
 
 def node_command(ip: str, temp_dir: Path, num_cpus: int, extra: list[str]) -> list[str]:
     return [
-        *ray_command(), "start", "--block", "--disable-usage-stats",
-        "--node-ip-address", ip, "--num-cpus", str(num_cpus),
+        *ray_command(),
+        "start",
+        "--block",
+        "--disable-usage-stats",
+        "--node-ip-address",
+        ip,
+        "--num-cpus",
+        str(num_cpus),
         # Every simulated node would otherwise claim all of the machine's GPUs.
-        "--num-gpus", "0",
+        "--num-gpus",
+        "0",
         # Its own temp dir: the default /tmp/ray would make a plain ray.init() join this cluster.
-        "--temp-dir", str(temp_dir / ip),
+        "--temp-dir",
+        str(temp_dir / ip),
         # Ray's fixed defaults (agent 52365, workers 10002-19999) collide between nodes on one machine.
-        "--dashboard-agent-listen-port", "0", "--min-worker-port", "0", "--max-worker-port", "0",
+        "--dashboard-agent-listen-port",
+        "0",
+        "--min-worker-port",
+        "0",
+        "--max-worker-port",
+        "0",
         *extra,
     ]
 
@@ -208,12 +222,21 @@ def start_nodes(args: argparse.Namespace, state_dir: Path, state: dict) -> None:
     env = ray_env(state)
     temp_dir = Path(state["temp_dir"])
     head = [
-        "--head", "--port", str(args.port), "--include-dashboard", "true",
-        "--dashboard-host", HEAD_IP, "--dashboard-port", str(args.dashboard_port),
-        "--ray-client-server-port", str(free_port()),
+        "--head",
+        "--port",
+        str(args.port),
+        "--include-dashboard",
+        "true",
+        "--dashboard-host",
+        HEAD_IP,
+        "--dashboard-port",
+        str(args.dashboard_port),
+        "--ray-client-server-port",
+        str(free_port()),
     ]
-    plan = [(HEAD_NODE_IP, args.head_cpus, head)] + [(ip, args.cpus_per_node, worker_flags(state))
-                                                    for ip in worker_ips(args.num_nodes)]
+    plan = [(HEAD_NODE_IP, args.head_cpus, head)] + [
+        (ip, args.cpus_per_node, worker_flags(state)) for ip in worker_ips(args.num_nodes)
+    ]
     for ip, num_cpus, extra in plan:
         node = launch(node_command(ip, temp_dir, num_cpus, extra), env, state_dir / "logs" / f"node-{ip}.log")
         state["nodes"].append({"ip": ip, "num_cpus": num_cpus, **node})
@@ -250,8 +273,11 @@ def up(args: argparse.Namespace) -> int:
 
 
 def wait_for_nodes(state: dict, expected: int, timeout: float) -> None:
-    print(f"waiting up to {timeout:.0f} s for {expected} nodes (head + {expected - 1} workers) "
-          f"to join {state['address']} ...", flush=True)
+    print(
+        f"waiting up to {timeout:.0f} s for {expected} nodes (head + {expected - 1} workers) "
+        f"to join {state['address']} ...",
+        flush=True,
+    )
     deadline, seen, last_error = time.monotonic() + timeout, -1, "no answer yet"
     while time.monotonic() < deadline:
         for node in state["nodes"]:
@@ -267,8 +293,10 @@ def wait_for_nodes(state: dict, expected: int, timeout: float) -> None:
             print(f"  {alive}/{expected} nodes alive", flush=True)
             seen = alive
         time.sleep(1)
-    raise UserError(f"timed out after {timeout:.0f} s waiting for {expected} nodes to join (last: {last_error}); "
-                    f"logs in {Path(state['nodes'][0]['log']).parent}")
+    raise UserError(
+        f"timed out after {timeout:.0f} s waiting for {expected} nodes to join (last: {last_error}); "
+        f"logs in {Path(state['nodes'][0]['log']).parent}"
+    )
 
 
 def print_usage(state_dir: Path, state: dict, num_nodes: int) -> None:
@@ -281,10 +309,12 @@ def print_usage(state_dir: Path, state: dict, num_nodes: int) -> None:
     print(f"  dashboard:  {url}  (loopback only; the browser asks for the token)")
     print(f"  token file: {token}")
     print("Submit a job from the repo root:")
-    print(f"  RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$(cat {token}) {ray} job submit --address {url} \\\n"
-          f"    --working-dir . --runtime-env-json '{excludes}' \\\n"
-          f"    -- python -m ray_jobs.ddp --num-workers {num_nodes} --batch-size {16 * num_nodes} "
-          f"--placement-strategy SPREAD --storage-path {runs}")
+    print(
+        f"  RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$(cat {token}) {ray} job submit --address {url} \\\n"
+        f"    --working-dir . --runtime-env-json '{excludes}' \\\n"
+        f"    -- python -m ray_jobs.ddp --num-workers {num_nodes} --batch-size {16 * num_nodes} "
+        f"--placement-strategy SPREAD --storage-path {runs}"
+    )
     print(f"Status: python -m cluster.local status --state-dir {state_dir}")
     print(f"Stop:   python -m cluster.local down --state-dir {state_dir}")
 
@@ -322,7 +352,9 @@ def status(args: argparse.Namespace) -> int:
     state_dir = Path(args.state_dir).resolve()
     state = require_state(state_dir)
     if not any(group_alive(node) for node in state["nodes"]):
-        raise UserError(f"the cluster recorded in {state_dir} is not running; clear it with: python -m cluster.local down")
+        raise UserError(
+            f"the cluster recorded in {state_dir} is not running; clear it with: python -m cluster.local down"
+        )
     try:
         nodes = fetch_nodes(state)
     except OSError as error:
@@ -359,7 +391,9 @@ def terminate_groups(nodes: list[dict], timeout: float) -> None:
         time.sleep(0.2)
     for node in nodes:
         if group_alive(node):
-            print(f"node {node['ip']} (process group {node['pgid']}) ignored SIGTERM for {timeout:.0f} s; sending SIGKILL")
+            print(
+                f"node {node['ip']} (process group {node['pgid']}) ignored SIGTERM for {timeout:.0f} s; sending SIGKILL"
+            )
             os.killpg(node["pgid"], signal.SIGKILL)
 
 
@@ -399,8 +433,10 @@ def session_members(session_id: int) -> list[int]:
 def worker_node(state: dict, ip: str) -> dict:
     workers = {node["ip"]: node for node in state["nodes"] if node["ip"] != HEAD_NODE_IP}
     if ip not in workers:
-        raise UserError(f"--node {ip} is not a worker node of this cluster; worker nodes: "
-                        f"{', '.join(workers) or 'none'} (the head holds the GCS: losing it ends the cluster)")
+        raise UserError(
+            f"--node {ip} is not a worker node of this cluster; worker nodes: "
+            f"{', '.join(workers) or 'none'} (the head holds the GCS: losing it ends the cluster)"
+        )
     return workers[ip]
 
 
@@ -430,8 +466,10 @@ def rejoin(args: argparse.Namespace) -> int:
     if not group_alive(next(n for n in state["nodes"] if n["ip"] == HEAD_NODE_IP)):
         raise UserError(f"the head of the cluster recorded in {state_dir} is not running; start a new one with `up`")
     if "num_cpus" not in node:
-        raise UserError(f"the cluster in {state_dir} was started by an older cluster.local that did not record "
-                        "its nodes' CPUs; `down` and `up` it again to use rejoin")
+        raise UserError(
+            f"the cluster in {state_dir} was started by an older cluster.local that did not record "
+            "its nodes' CPUs; `down` and `up` it again to use rejoin"
+        )
     starts = node.get("starts", 1) + 1
     log = state_dir / "logs" / f"node-{args.node}-{starts}.log"  # a fresh log, for its started marker
     command = node_command(args.node, Path(state["temp_dir"]), node["num_cpus"], worker_flags(state))
@@ -459,33 +497,51 @@ def wait_for_node(state: dict, node: dict, timeout: float) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--state-dir", default=DEFAULT_STATE_DIR,
-                        help=f"where PIDs, the token and logs go (default: ./{DEFAULT_STATE_DIR})")
-    parser = ArgumentParser(prog="python -m cluster.local", description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_argument(
+        "--state-dir",
+        default=DEFAULT_STATE_DIR,
+        help=f"where PIDs, the token and logs go (default: ./{DEFAULT_STATE_DIR})",
+    )
+    parser = ArgumentParser(
+        prog="python -m cluster.local", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     start = commands.add_parser("up", parents=[common], help="start a head and --num-nodes worker nodes")
     start.add_argument("--num-nodes", type=int, default=2, help="worker nodes besides the head (default: 2)")
     start.add_argument("--cpus-per-node", type=int, default=1, help="logical CPUs per worker node (default: 1)")
-    start.add_argument("--head-cpus", type=int, default=0,
-                       help="logical CPUs of the head, 0 keeps training off it as on the cloud configs (default: 0)")
-    start.add_argument("--resources", default=None, help='custom resources per worker node, JSON, e.g. \'{"accel": 1}\'')
+    start.add_argument(
+        "--head-cpus",
+        type=int,
+        default=0,
+        help="logical CPUs of the head, 0 keeps training off it as on the cloud configs (default: 0)",
+    )
+    start.add_argument(
+        "--resources", default=None, help="custom resources per worker node, JSON, e.g. '{\"accel\": 1}'"
+    )
     start.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"GCS port of the head (default: {DEFAULT_PORT})")
-    start.add_argument("--dashboard-port", type=int, default=DEFAULT_DASHBOARD_PORT,
-                       help=f"dashboard and job API port on {HEAD_IP} (default: {DEFAULT_DASHBOARD_PORT})")
-    start.add_argument("--timeout", type=float, default=120, help="seconds to wait for every node to join (default: 120)")
+    start.add_argument(
+        "--dashboard-port",
+        type=int,
+        default=DEFAULT_DASHBOARD_PORT,
+        help=f"dashboard and job API port on {HEAD_IP} (default: {DEFAULT_DASHBOARD_PORT})",
+    )
+    start.add_argument(
+        "--timeout", type=float, default=120, help="seconds to wait for every node to join (default: 120)"
+    )
     start.set_defaults(run=up)
     show = commands.add_parser("status", parents=[common], help="list the nodes: ip, state, resources")
     show.set_defaults(run=status)
     stop = commands.add_parser("down", parents=[common], help="stop exactly the processes `up` started")
     stop.add_argument("--timeout", type=float, default=20, help="seconds between SIGTERM and SIGKILL (default: 20)")
     stop.set_defaults(run=down)
-    lose = commands.add_parser("preempt", parents=[common],
-                               help="kill one worker node's every process at once, as a spot preemption would")
+    lose = commands.add_parser(
+        "preempt", parents=[common], help="kill one worker node's every process at once, as a spot preemption would"
+    )
     lose.add_argument("--node", required=True, help="the worker node's IP, as `status` lists it (e.g. 127.0.0.3)")
     lose.set_defaults(run=preempt)
-    back = commands.add_parser("rejoin", parents=[common],
-                               help="start a lost worker node again, as an autoscaler replaces a preempted one")
+    back = commands.add_parser(
+        "rejoin", parents=[common], help="start a lost worker node again, as an autoscaler replaces a preempted one"
+    )
     back.add_argument("--node", required=True, help="the lost worker node's IP (e.g. 127.0.0.3)")
     back.add_argument("--timeout", type=float, default=60, help="seconds to wait for it to join (default: 60)")
     back.set_defaults(run=rejoin)

@@ -4,6 +4,7 @@ raypar calls ``tower(in_features, out_features, **options)`` with the widths of 
 options of each ``--model-option key=value``. An ``nn.Sequential`` trains with every strategy,
 the pipeline included (it is cut between the top-level children; a child may be any module).
 """
+
 from torch import nn
 
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}

@@ -1,4 +1,5 @@
 """raypar models: plain torch modules. Nothing here imports Ray or torch.distributed."""
+
 from models.registry import (
     MODEL_OPTIONS,
     MODELS,
@@ -10,5 +11,15 @@ from models.registry import (
 )
 from models.split import split_into_stages, unit_names, unit_seconds
 
-__all__ = ["MODELS", "MODEL_OPTIONS", "NamedSequential", "build_model", "is_user_model", "model_factory",
-           "not_reproducible_layers", "split_into_stages", "unit_names", "unit_seconds"]
+__all__ = [
+    "MODELS",
+    "MODEL_OPTIONS",
+    "NamedSequential",
+    "build_model",
+    "is_user_model",
+    "model_factory",
+    "not_reproducible_layers",
+    "split_into_stages",
+    "unit_names",
+    "unit_seconds",
+]

@@ -3,6 +3,7 @@
 A name is a registered model (``mlp``) or a user's ``module.path:callable``, imported from the
 working directory or the Python path and called as ``callable(in_features, out_features, **options)``.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -30,9 +31,7 @@ def seed_linear(in_features: int, out_features: int) -> nn.Module:
 
 def seed_mlp(in_features: int, out_features: int, hidden: int = 10) -> nn.Module:
     """The DDP tutorial model: ``net1`` Linear, ReLU, ``net2`` Linear."""
-    return NamedSequential(
-        net1=nn.Linear(in_features, hidden), relu=nn.ReLU(), net2=nn.Linear(hidden, out_features)
-    )
+    return NamedSequential(net1=nn.Linear(in_features, hidden), relu=nn.ReLU(), net2=nn.Linear(hidden, out_features))
 
 
 def seed_split(in_features: int, out_features: int, hidden: int = 5) -> nn.Module:
@@ -82,8 +81,10 @@ def model_factory(name: str) -> Callable[..., nn.Module]:
     imported from the working directory or the Python path. Raises ``ValueError`` saying what is wrong."""
     if not is_user_model(name):
         if name not in MODELS:
-            raise ValueError(f"unknown model {name!r}; valid models: {', '.join(sorted(MODELS))}, "
-                             "or module.path:callable for your own")
+            raise ValueError(
+                f"unknown model {name!r}; valid models: {', '.join(sorted(MODELS))}, "
+                "or module.path:callable for your own"
+            )
         return MODELS[name]
     module_name, _, attribute = name.partition(":")
     if not module_name or not attribute or ":" in attribute:
@@ -96,21 +97,25 @@ def model_factory(name: str) -> Callable[..., nn.Module]:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
         if error.name is not None and (module_name + ".").startswith(error.name + "."):
-            raise ValueError(f"--model {name}: no module {module_name!r} in the working directory "
-                             f"({os.getcwd()}) or on PYTHONPATH") from None
+            raise ValueError(
+                f"--model {name}: no module {module_name!r} in the working directory ({os.getcwd()}) or on PYTHONPATH"
+            ) from None
         raise ValueError(f"--model {name}: importing {module_name} failed: {error}") from None
     except Exception as error:  # the user's module raised while importing
         raise ValueError(f"--model {name}: importing {module_name} raised {type(error).__name__}: {error}") from None
     factory = getattr(module, attribute, None)
     if factory is None or not callable(factory):
         what = "has no" if factory is None else "has a non-callable"
-        raise ValueError(f"--model {name}: module {module_name} ({module.__file__}) {what} {attribute!r}; "
-                         "name a function or class taking (in_features, out_features, **options)")
+        raise ValueError(
+            f"--model {name}: module {module_name} ({module.__file__}) {what} {attribute!r}; "
+            "name a function or class taking (in_features, out_features, **options)"
+        )
     return factory
 
 
-def build_model(name: str, in_features: int, out_features: int, factory: Callable[..., nn.Module] | None = None,
-                **options: Any) -> nn.Module:
+def build_model(
+    name: str, in_features: int, out_features: int, factory: Callable[..., nn.Module] | None = None, **options: Any
+) -> nn.Module:
     """Build model ``name`` (``factory``, when given, is its already resolved callable). Options set
     to ``None`` take the model's default.
 
@@ -118,13 +123,19 @@ def build_model(name: str, in_features: int, out_features: int, factory: Callabl
     does not take, a non-positive width, or a user callable that fails or returns no ``nn.Module``.
     """
     if is_user_model(name):
-        return _build_user_model(name, factory or model_factory(name), in_features, out_features,
-                                 {key: value for key, value in options.items() if value is not None})
+        return _build_user_model(
+            name,
+            factory or model_factory(name),
+            in_features,
+            out_features,
+            {key: value for key, value in options.items() if value is not None},
+        )
     return _build_registered(name, in_features, out_features, **options)
 
 
-def _build_user_model(name: str, factory: Callable[..., nn.Module], in_features: int, out_features: int,
-                      options: dict[str, Any]) -> nn.Module:
+def _build_user_model(
+    name: str, factory: Callable[..., nn.Module], in_features: int, out_features: int, options: dict[str, Any]
+) -> nn.Module:
     call = ", ".join([str(in_features), str(out_features), *(f"{k}={v!r}" for k, v in options.items())])
     try:
         model = factory(in_features, out_features, **options)
@@ -150,8 +161,11 @@ def _build_registered(name: str, in_features: int, out_features: int, **options:
         raise ValueError(f"model {name!r}: dropout must be in [0, 1), got {dropout!r}")
     if dropout:
         given["dropout"] = float(dropout)
-    for label, value in [("in_features", in_features), ("out_features", out_features),
-                         *((k, v) for k, v in given.items() if k != "dropout")]:
+    for label, value in [
+        ("in_features", in_features),
+        ("out_features", out_features),
+        *((k, v) for k, v in given.items() if k != "dropout"),
+    ]:
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"model {name!r}: {label} must be a positive integer, got {value!r}")
     return MODELS[name](in_features, out_features, **given)

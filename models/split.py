@@ -1,4 +1,5 @@
 """Cut a sequential model into pipeline stages that, run in order, compute exactly ``model(x)``."""
+
 from __future__ import annotations
 
 import statistics
@@ -88,8 +89,10 @@ def split_into_stages(model: nn.Module, num_stages: int, unit_costs: list[float]
     stages' ``state_dict()`` is the model's ``state_dict()`` with no key rewriting.
     """
     if not isinstance(model, nn.Sequential):
-        raise ValueError(f"the pipeline cuts a model between the children of an nn.Sequential; the model is a "
-                         f"{type(model).__name__}: return an nn.Sequential (its children may be any modules)")
+        raise ValueError(
+            f"the pipeline cuts a model between the children of an nn.Sequential; the model is a "
+            f"{type(model).__name__}: return an nn.Sequential (its children may be any modules)"
+        )
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"--num-stages must be a positive integer, got {num_stages!r}")
     units = _units(model)

@@ -4,6 +4,7 @@ Workers and stages describe their own failures (``Failure``: where, then what), 
 know their world rank or stage index; the driver unwraps Ray's layers down to that description,
 or to the innermost error when there is none.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +25,9 @@ def describe(error: BaseException, where: str) -> str:
     """``where: what`` in one line; CUDA running out of memory is named as such."""
     first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
     if isinstance(error, torch.OutOfMemoryError):
-        return f"{where}: {first}" if first.startswith("CUDA out of memory") else f"{where}: CUDA out of memory ({first})"
+        return (
+            f"{where}: {first}" if first.startswith("CUDA out of memory") else f"{where}: CUDA out of memory ({first})"
+        )
     return f"{where}: {type(error).__name__}: {first}" if first else f"{where}: {type(error).__name__}"
 
 

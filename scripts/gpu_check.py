@@ -4,6 +4,7 @@ Run on a machine with GPUs, from the repo root: ``python scripts/gpu_check.py``.
 trains the same small model as a single-process CPU reference and must end with the same
 weights; the script prints one table and exits non-zero if any check fails.
 """
+
 from __future__ import annotations
 
 import sys
@@ -31,9 +32,16 @@ RTOL, ATOL = 1e-4, 1e-5
 def reference(cfg: TrainConfig) -> dict[str, torch.Tensor]:
     dataset = read_dataset(cfg.data)
     weights, _ = reference_train(
-        model=cfg.model, features=torch.from_numpy(dataset.features.copy()),
-        targets=torch.from_numpy(dataset.targets.copy()), out_features=dataset.out_features, epochs=cfg.epochs,
-        batch_size=cfg.batch_size, lr=cfg.lr, seed=cfg.seed, shuffle=cfg.shuffle, hidden=cfg.hidden,
+        model=cfg.model,
+        features=torch.from_numpy(dataset.features.copy()),
+        targets=torch.from_numpy(dataset.targets.copy()),
+        out_features=dataset.out_features,
+        epochs=cfg.epochs,
+        batch_size=cfg.batch_size,
+        lr=cfg.lr,
+        seed=cfg.seed,
+        shuffle=cfg.shuffle,
+        hidden=cfg.hidden,
     )
     return weights
 
@@ -55,10 +63,12 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="raypar-gpu-"))
     data = str(work / "data.parquet")
     write_table(synthesize(4096, 64, 8, "regression", seed=0), data)
-    cfg = TrainConfig(model="seed-mlp", hidden=256, data=data, epochs=3, batch_size=64, seed=0,
-                      storage_path=str(work), lr=0.05)
+    cfg = TrainConfig(
+        model="seed-mlp", hidden=256, data=data, epochs=3, batch_size=64, seed=0, storage_path=str(work), lr=0.05
+    )
     expected = reference(cfg)
     stages = min(num_gpus, 2)
+
     def pipe(transport: str):
         scaling = pipeline.PipelineScaling(num_stages=stages, num_microbatches=4, use_gpu=True, transport=transport)
         return lambda c: pipeline.run(prepare(c, "pipeline"), scaling)

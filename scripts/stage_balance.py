@@ -5,6 +5,7 @@ For each model below, times every pipeline unit's forward + backward on this mac
 stage time for the cut raypar makes (``split_into_stages``: balanced by parameter count) and for
 the best cut by the measured times. ``python scripts/stage_balance.py [--stages 2 4] [--batch 64]``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,11 +25,15 @@ def conv_front(in_features: int, out_features: int, channels: int = 32, hidden: 
     """Few parameters, much compute: 1-D convolutions over the feature vector, then an MLP head."""
     return nn.Sequential(
         nn.Unflatten(1, (1, in_features)),
-        nn.Conv1d(1, channels, 5, padding=2), nn.ReLU(),
-        nn.Conv1d(channels, channels, 5, padding=2), nn.ReLU(),
+        nn.Conv1d(1, channels, 5, padding=2),
+        nn.ReLU(),
+        nn.Conv1d(channels, channels, 5, padding=2),
+        nn.ReLU(),
         nn.Flatten(),
-        nn.Linear(channels * in_features, hidden), nn.ReLU(),
-        nn.Linear(hidden, hidden), nn.ReLU(),
+        nn.Linear(channels * in_features, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
         nn.Linear(hidden, out_features),
     )
 
@@ -70,8 +75,11 @@ def main() -> None:
         seconds = unit_seconds(model, torch.randn(args.batch, in_features), args.repeats)
         for num_stages in args.stages:
             if num_stages <= len(seconds):
-                print(f"| {name} | {len(seconds)} | {num_stages} | {imbalance(model, num_stages, seconds, None):.2f}x "
-                      f"| {imbalance(model, num_stages, seconds, seconds):.2f}x |")
+                print(
+                    f"| {name} | {len(seconds)} | {num_stages} | {imbalance(model, num_stages, seconds, None):.2f}x "
+                    f"| {imbalance(model, num_stages, seconds, seconds):.2f}x |"
+                )
+
 
 if __name__ == "__main__":
     main()

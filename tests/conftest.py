@@ -1,4 +1,5 @@
 """Shared fixtures: tiny datasets, and one local Ray cluster for the whole session."""
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,11 @@ from tests.helpers import write_parts
 
 # Credentials for the S3 tests' moto server, set before the shared Ray cluster starts so its
 # workers inherit them (moto accepts any). Where a bucket is comes from the test, never from here.
-for _key, _value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                     ("AWS_DEFAULT_REGION", "us-east-1")):
+for _key, _value in (
+    ("AWS_ACCESS_KEY_ID", "testing"),
+    ("AWS_SECRET_ACCESS_KEY", "testing"),
+    ("AWS_DEFAULT_REGION", "us-east-1"),
+):
     os.environ.setdefault(_key, _value)
 
 
@@ -66,8 +70,11 @@ def s3_endpoint():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -93,8 +100,19 @@ def stream_data(tmp_path_factory) -> str:
 @pytest.fixture
 def stream_cfg(stream_data, tmp_path) -> TrainConfig:
     # A 24-row window holds 2 to 5 row groups; global batches of 16 straddle windows.
-    return TrainConfig(model="seed-mlp", hidden=8, data=stream_data, ingest="stream", shuffle_window_rows=24,
-                       epochs=2, batch_size=16, seed=9, momentum=0.9, storage_path=str(tmp_path), name="run")
+    return TrainConfig(
+        model="seed-mlp",
+        hidden=8,
+        data=stream_data,
+        ingest="stream",
+        shuffle_window_rows=24,
+        epochs=2,
+        batch_size=16,
+        seed=9,
+        momentum=0.9,
+        storage_path=str(tmp_path),
+        name="run",
+    )
 
 
 @pytest.fixture

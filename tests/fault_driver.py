@@ -1,6 +1,7 @@
 """A job entry point with the tests' fault injection, for tests whose job must be its own process
 (a driver of another cluster than the session's): ``python -m tests.fault_driver STRATEGY FAULTS
 -- FLAGS...``, FAULTS a JSON object of the strategy's fault keywords."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,9 @@ def main(argv: list[str]) -> int:
     strategy, armed, flags = argv[0], json.loads(argv[1]), argv[2:]
     faults = Faults(**{**armed, "holds": tuple(tuple(pair) for pair in armed.get("holds", ()))})
     module, scaling_cls = STRATEGIES[strategy]
-    return entry_point(strategy, scaling_cls, lambda prepared, scaling: module.run(prepared, scaling, faults),
-                       flags, None)
+    return entry_point(
+        strategy, scaling_cls, lambda prepared, scaling: module.run(prepared, scaling, faults), flags, None
+    )
 
 
 if __name__ == "__main__":

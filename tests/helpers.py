@@ -1,4 +1,5 @@
 """Helpers shared by the distributed tests."""
+
 from __future__ import annotations
 
 import contextlib
@@ -55,17 +56,33 @@ def reference_for(cfg: TrainConfig, init_state: dict | None = None):
     (``--ingest stream``) visits rows in order contract v2's order."""
     features, targets, out_features = tensors(cfg.data)
     options = {k: v for k, v in cfg.model_options.items() if v is not None}
-    keys = ("model", "epochs", "batch_size", "lr", "seed", "shuffle", "optimizer", "momentum", "weight_decay",
-            "precision")
+    keys = (
+        "model",
+        "epochs",
+        "batch_size",
+        "lr",
+        "seed",
+        "shuffle",
+        "optimizer",
+        "momentum",
+        "weight_decay",
+        "precision",
+    )
     orders = None
     if cfg.ingest == "stream":
         rows = block_rows(cfg.data)
 
         def orders(epoch: int) -> torch.Tensor:
             return stream_epoch_order(rows, cfg.seed, epoch, cfg.shuffle, cfg.shuffle_window_rows)
+
     return reference_train(
-        features=features, targets=targets, out_features=out_features, init_state=init_state,
-        epoch_orders=orders, **{k: getattr(cfg, k) for k in keys}, **options,
+        features=features,
+        targets=targets,
+        out_features=out_features,
+        init_state=init_state,
+        epoch_orders=orders,
+        **{k: getattr(cfg, k) for k in keys},
+        **options,
     )
 
 
@@ -86,8 +103,9 @@ def write_parts(directory, task: str = "regression", query: str = "") -> str:
 def block_rows(path: str) -> list[int]:
     """Row counts of a Parquet file's or directory's row groups, files in name order."""
     files = sorted(Path(path).glob("*.parquet")) if Path(path).is_dir() else [Path(path)]
-    return [meta.row_group(i).num_rows for meta in (pq.read_metadata(f) for f in files)
-            for i in range(meta.num_row_groups)]
+    return [
+        meta.row_group(i).num_rows for meta in (pq.read_metadata(f) for f in files) for i in range(meta.num_row_groups)
+    ]
 
 
 def load_weights(run_dir: str) -> dict[str, torch.Tensor]:
@@ -112,8 +130,14 @@ def with_(cfg: TrainConfig, **changes) -> TrainConfig:
 def cluster_cli(*argv: str, timeout: float = 180) -> subprocess.CompletedProcess:
     """``python -m cluster.local ...`` with nothing of the shared test cluster in its environment."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    return subprocess.run([sys.executable, "-m", "cluster.local", *argv], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "cluster.local", *argv],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @contextlib.contextmanager
@@ -165,8 +189,9 @@ def fake_run(run_dir: str, task: str) -> torch.nn.Module:
         buffer = io.BytesIO()
         torch.save(models[name].state_dict(), buffer)
         storage.write_bytes(storage.join(run_dir, name), buffer.getvalue())
-    storage.write_bytes(storage.join(run_dir, "summary.json"),
-                        json.dumps({"model": record, "task": task, "config": {}}).encode())
+    storage.write_bytes(
+        storage.join(run_dir, "summary.json"), json.dumps({"model": record, "task": task, "config": {}}).encode()
+    )
     return models["model.pt"]
 
 
@@ -176,14 +201,25 @@ def expected_predictions(model: torch.nn.Module, data_dir: str) -> torch.Tensor:
     with torch.no_grad():
         return model(features)
 
+
 def predicts_the_model_in_input_order(base: str, query: str, task: str, num_workers: int) -> None:
     """``python -m ray_jobs.predict`` over a fake run's model under ``base`` (a path or a URI, its
     options in ``query``): every input column kept, predictions equal to ``model(x)`` in input order."""
     data_dir = write_parts(f"{base}/new", task, query)  # 3 files, uneven row groups: 120 rows
     run_dir, out = f"{base}/runs/run{query}", f"{base}/pred.parquet{query}"
     model = fake_run(run_dir, task)
-    argv = ["--run-dir", run_dir, "--data", data_dir, "--out", out, "--batch-size", "16",
-            "--num-workers", str(num_workers)]
+    argv = [
+        "--run-dir",
+        run_dir,
+        "--data",
+        data_dir,
+        "--out",
+        out,
+        "--batch-size",
+        "16",
+        "--num-workers",
+        str(num_workers),
+    ]
     assert predict.main(argv) == 0
     filesystem, path = storage.resolve(out)
     table = pq.read_table(path, filesystem=filesystem)

@@ -3,6 +3,7 @@
 Written out by hand, without raypar's training helpers, so a bug shared by those helpers and
 the strategies cannot hide in both sides of a comparison.
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,3 @@
-
 from ray_jobs.bench.run import main
 from ray_jobs.driver.entry import exit_process
 

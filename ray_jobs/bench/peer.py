@@ -1,5 +1,6 @@
 """The plain-PyTorch peer the bench compares raypar with: ``torch.multiprocessing.spawn`` + gloo (or
 one process), no Ray; on GPUs (``device="cuda"``), one process per GPU over nccl."""
+
 from __future__ import annotations
 
 import os
@@ -95,8 +96,15 @@ def torch_ddp(
 
 
 def _peer_worker(
-    world_rank: int, world_size: int, train: dict[str, Any], dataset: Dataset,
-    initial_state: dict[str, torch.Tensor], num_threads: int, directory: str, timeout_s: float, device: str = "cpu",
+    world_rank: int,
+    world_size: int,
+    train: dict[str, Any],
+    dataset: Dataset,
+    initial_state: dict[str, torch.Tensor],
+    num_threads: int,
+    directory: str,
+    timeout_s: float,
+    device: str = "cpu",
 ) -> None:
     """The DDP tutorial's worker over raypar's training contract: what raypar's loop does, minus Ray."""
     cfg = TrainConfig(**train)
@@ -107,16 +115,23 @@ def _peer_worker(
     if world_size > 1:
         # The tutorial's MASTER_PORT would need a port picked free in advance, which another
         # process can take before rank 0 binds it; a file store in the run's folder cannot race.
-        dist.init_process_group("nccl" if device == "cuda" else "gloo",
-                                init_method=f"file://{os.path.join(directory, 'store')}", rank=world_rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "nccl" if device == "cuda" else "gloo",
+            init_method=f"file://{os.path.join(directory, 'store')}",
+            rank=world_rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
     model = build_model(cfg.model, dataset.in_features, dataset.out_features, **cfg.model_options)
     model.load_state_dict(initial_state)
     model.to(on)
     optimizer = build_optimizer(model.parameters(), cfg)
     scaler = grad_scaler(cfg.precision, on)
-    wrapped = DistributedDataParallel(model, device_ids=[on.index] if on.type == "cuda" else None) \
-        if world_size > 1 else model
+    wrapped = (
+        DistributedDataParallel(model, device_ids=[on.index] if on.type == "cuda" else None)
+        if world_size > 1
+        else model
+    )
     features, targets = (tensor.to(on) for tensor in dataset.tensors())  # on the GPU once, as raypar's loop
     loss_fn = loss_function(dataset.task)
 
@@ -129,8 +144,9 @@ def _peer_worker(
             if first_step_at is None:
                 first_step_at = time.time()
             rows = shard(batch, world_size, world_rank).to(on)
-            step_losses[step] = train_step(wrapped, optimizer, loss_fn, features[rows], targets[rows],
-                                           precision=cfg.precision, scaler=scaler)
+            step_losses[step] = train_step(
+                wrapped, optimizer, loss_fn, features[rows], targets[rows], precision=cfg.precision, scaler=scaler
+            )
         # raypar's loop also all-reduces the step losses once per epoch, inside its timing.
         if world_size > 1:
             dist.all_reduce(step_losses)
@@ -139,9 +155,14 @@ def _peer_worker(
         epoch_seconds.append(time.perf_counter() - began)
         epoch_steal.append(steal_fraction(cpu, cpu_times()))
         samples += len(batches) * cfg.batch_size
-    result = {"first_step_at": first_step_at, "losses": losses, "samples": samples, "epoch_seconds": epoch_seconds,
-              "epoch_steal": epoch_steal,
-              "peak_rss_bytes": peak_rss_bytes()}
+    result = {
+        "first_step_at": first_step_at,
+        "losses": losses,
+        "samples": samples,
+        "epoch_seconds": epoch_seconds,
+        "epoch_steal": epoch_steal,
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
     if world_rank == 0:
         result["state"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     torch.save(result, os.path.join(directory, f"rank{world_rank}.pt"))

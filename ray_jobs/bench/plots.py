@@ -1,4 +1,5 @@
 """The bench's PNG plots, drawn when matplotlib (the ``bench`` extra) is installed."""
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,9 @@ def write_plots(results: dict[str, Any], out: str) -> list[str] | str:
         counts = [p["num_workers"] for p in points]
         figures = [p["samples_per_second"] for p in points]
         figure, axis = plt.subplots(figsize=(5, 4))
-        axis.errorbar(counts, [f["median"] for f in figures], yerr=errors(figures), marker="o", capsize=3,
-                      label="raypar DDP")
+        axis.errorbar(
+            counts, [f["median"] for f in figures], yerr=errors(figures), marker="o", capsize=3, label="raypar DDP"
+        )
         axis.set_xticks(counts)
         if counts and counts[0] == 1:
             axis.plot(counts, [figures[0]["median"] * n for n in counts], "--", color="grey", label="linear")
@@ -46,8 +48,10 @@ def write_plots(results: dict[str, Any], out: str) -> list[str] | str:
 
         overhead = data_parallel["ddp_overhead"]
         figure, axes = plt.subplots(1, 2, figsize=(8, 4))
-        for axis, key, label in ((axes[0], "samples_per_second", "steady samples/s"),
-                                 (axes[1], "startup_s", "wall - loop time, s")):
+        for axis, key, label in (
+            (axes[0], "samples_per_second", "steady samples/s"),
+            (axes[1], "startup_s", "wall - loop time, s"),
+        ):
             pair = [overhead["raypar"][key], overhead["torch"][key]]
             axis.bar(["raypar", "torch"], [f["median"] for f in pair], yerr=errors(pair), capsize=4)
             axis.set(title=label)
@@ -61,14 +65,22 @@ def write_plots(results: dict[str, Any], out: str) -> list[str] | str:
             rows = [r for r in swept if r["schedule"] == schedule]
             ms = [r["num_microbatches"] for r in rows]
             figures = [r["samples_per_second"] for r in rows]
-            axes[0].errorbar(ms, [f["median"] for f in figures], yerr=errors(figures), marker="o", capsize=3,
-                             label=schedule)
+            axes[0].errorbar(
+                ms, [f["median"] for f in figures], yerr=errors(figures), marker="o", capsize=3, label=schedule
+            )
             if schedule != "sequential":
                 bubbles = [r["bubble_fraction"] for r in rows]
-                axes[1].errorbar(ms, [f["median"] for f in bubbles], yerr=errors(bubbles), marker="o", capsize=3,
-                                 label=f"{schedule} measured")
-        axes[0].axhline(pipe["single_process"]["samples_per_second"]["median"], ls="--", color="grey",
-                        label="single process")
+                axes[1].errorbar(
+                    ms,
+                    [f["median"] for f in bubbles],
+                    yerr=errors(bubbles),
+                    marker="o",
+                    capsize=3,
+                    label=f"{schedule} measured",
+                )
+        axes[0].axhline(
+            pipe["single_process"]["samples_per_second"]["median"], ls="--", color="grey", label="single process"
+        )
         ms = sorted({r["num_microbatches"] for r in swept})
         axes[1].plot(ms, [gpipe_bubble(pipe["num_stages"], m) for m in ms], "k--", label="GPipe theory")
         for axis in axes:
@@ -85,8 +97,14 @@ def write_plots(results: dict[str, Any], out: str) -> list[str] | str:
         for transport in sorted({r["transport"] for r in sequential}):
             rows = [r for r in sequential if r["transport"] == transport]
             figures = [r["transfer_us"] for r in rows]
-            axis.errorbar([r["bytes_per_transfer"] for r in rows], [f["median"] for f in figures],
-                          yerr=errors(figures), marker="o", capsize=3, label=transport)
+            axis.errorbar(
+                [r["bytes_per_transfer"] for r in rows],
+                [f["median"] for f in figures],
+                yerr=errors(figures),
+                marker="o",
+                capsize=3,
+                label=transport,
+            )
         axis.set_xscale("log", base=2)
         sizes = sorted({r["bytes_per_transfer"] for r in sequential})
         axis.set_xticks(sizes, [f"{b // 1024:,} KiB" if b >= 1024 else f"{b} B" for b in sizes])

@@ -1,4 +1,5 @@
 """The bench's report, ``bench.md``: one Markdown table per case, then the targets."""
+
 from __future__ import annotations
 
 import statistics
@@ -19,8 +20,11 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
         if len(row) != len(headers):
             raise ValueError(f"row {list(row)} has {len(row)} cells, the table has {len(headers)} columns")
     # a column is numeric when every cell is a number or "-" (not measured), and one is a number
-    numeric = [all(_looks_numeric(row[i]) or str(row[i]) == "-" for row in rows)
-               and any(_looks_numeric(row[i]) for row in rows) for i in range(len(headers))]
+    numeric = [
+        all(_looks_numeric(row[i]) or str(row[i]) == "-" for row in rows)
+        and any(_looks_numeric(row[i]) for row in rows)
+        for i in range(len(headers))
+    ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
 
     def line(row: list[str]) -> str:
@@ -67,7 +71,8 @@ def render(results: dict[str, Any]) -> str:
         raypar, peer = overhead["raypar"], overhead["torch"]
         n = overhead["num_workers"]
         parts += [
-            "", f"## 1. DDP overhead: raypar vs torch.multiprocessing.spawn + gloo, {n} workers",
+            "",
+            f"## 1. DDP overhead: raypar vs torch.multiprocessing.spawn + gloo, {n} workers",
             "",
             f"{workload_line(work)}; 1 CPU and 1 torch thread per worker; "
             f"{len(overhead['raw']['raypar'])} raypar / {len(overhead['raw']['torch'])} torch repetitions.",
@@ -75,32 +80,68 @@ def render(results: dict[str, Any]) -> str:
             markdown_table(
                 ["measure", "raypar DDP (Ray Train)", "torch DDP (spawn, gloo)", "raypar / torch"],
                 [
-                    ["steady samples/s (epoch loops only)", fmt(raypar["samples_per_second"]),
-                     fmt(peer["samples_per_second"]), fmt(overhead["samples_per_second_ratio"], ".3f")],
-                    [f"the same, epochs with <= {QUIET_STEAL:.0%} CPU steal only", _quiet_cell(raypar),
-                     _quiet_cell(peer), fmt(overhead.get("quiet_samples_per_second_ratio"), ".3f")],
-                    ["fixed cost, s: wall - loop time (start-up, final checkpoint, teardown)",
-                     fmt(raypar["startup_s"], ".1f"), fmt(peer["startup_s"], ".1f"),
-                     fmt(overhead["startup_ratio"], ".1f")],
-                    ["start-up, s: job start to first step", fmt(raypar.get("first_step_s"), ".2f"),
-                     fmt(peer["first_step_s"], ".2f"), fmt(overhead.get("first_step_ratio"), ".1f")],
-                    ["the rest, s: wall - start-up - loop (between epochs, final checkpoint, teardown)",
-                     fmt(raypar.get("after_loop_s"), ".2f"), fmt(peer.get("after_loop_s"), ".2f"), "-"],
+                    [
+                        "steady samples/s (epoch loops only)",
+                        fmt(raypar["samples_per_second"]),
+                        fmt(peer["samples_per_second"]),
+                        fmt(overhead["samples_per_second_ratio"], ".3f"),
+                    ],
+                    [
+                        f"the same, epochs with <= {QUIET_STEAL:.0%} CPU steal only",
+                        _quiet_cell(raypar),
+                        _quiet_cell(peer),
+                        fmt(overhead.get("quiet_samples_per_second_ratio"), ".3f"),
+                    ],
+                    [
+                        "fixed cost, s: wall - loop time (start-up, final checkpoint, teardown)",
+                        fmt(raypar["startup_s"], ".1f"),
+                        fmt(peer["startup_s"], ".1f"),
+                        fmt(overhead["startup_ratio"], ".1f"),
+                    ],
+                    [
+                        "start-up, s: job start to first step",
+                        fmt(raypar.get("first_step_s"), ".2f"),
+                        fmt(peer["first_step_s"], ".2f"),
+                        fmt(overhead.get("first_step_ratio"), ".1f"),
+                    ],
+                    [
+                        "the rest, s: wall - start-up - loop (between epochs, final checkpoint, teardown)",
+                        fmt(raypar.get("after_loop_s"), ".2f"),
+                        fmt(peer.get("after_loop_s"), ".2f"),
+                        "-",
+                    ],
                     ["total wall, s", fmt(raypar["wall_s"], ".1f"), fmt(peer["wall_s"], ".1f"), "-"],
-                    ["peak RSS per worker (the largest), MiB", fmt(raypar.get("peak_rss_bytes"), ".0f", 1 / MIB),
-                     fmt(peer["peak_rss_bytes"], ".0f", 1 / MIB), fmt(overhead.get("peak_rss_ratio"), ".2f")],
-                    ["CPU steal by the hypervisor, share of each run", fmt(raypar.get("steal_fraction"), ".1%"),
-                     fmt(peer.get("steal_fraction"), ".1%"), "-"],
+                    [
+                        "peak RSS per worker (the largest), MiB",
+                        fmt(raypar.get("peak_rss_bytes"), ".0f", 1 / MIB),
+                        fmt(peer["peak_rss_bytes"], ".0f", 1 / MIB),
+                        fmt(overhead.get("peak_rss_ratio"), ".2f"),
+                    ],
+                    [
+                        "CPU steal by the hypervisor, share of each run",
+                        fmt(raypar.get("steal_fraction"), ".1%"),
+                        fmt(peer.get("steal_fraction"), ".1%"),
+                        "-",
+                    ],
                 ],
             ),
-            "", "## 2. DDP scaling", "",
+            "",
+            "## 2. DDP scaling",
+            "",
             f"{workload_line(work)}; the cluster has {data_parallel['scaling']['cluster_cpus']} CPUs; "
             "efficiency = samples/s(N) / (N x samples/s(1)).",
             "",
             markdown_table(
                 ["workers", "samples/s", "speed-up vs 1", "efficiency"],
-                [[p["num_workers"], fmt(p["samples_per_second"]), fmt(p["speedup"], ".2f"), fmt(p["efficiency"], ".2f")]
-                 for p in data_parallel["scaling"]["points"]],
+                [
+                    [
+                        p["num_workers"],
+                        fmt(p["samples_per_second"]),
+                        fmt(p["speedup"], ".2f"),
+                        fmt(p["efficiency"], ".2f"),
+                    ]
+                    for p in data_parallel["scaling"]["points"]
+                ],
             ),
         ]
         dp_vs_ddp = data_parallel["dp_vs_ddp"]
@@ -114,15 +155,19 @@ def render(results: dict[str, Any]) -> str:
                 "",
                 markdown_table(
                     ["strategy", "samples/s", "DDP / DataParallel"],
-                    [["DDP", fmt(dp_vs_ddp["ddp"]["samples_per_second"]), fmt(dp_vs_ddp["ddp_over_dp"], ".2f")],
-                     ["DataParallel", fmt(dp_vs_ddp["dp"]["samples_per_second"]), "-"]],
+                    [
+                        ["DDP", fmt(dp_vs_ddp["ddp"]["samples_per_second"]), fmt(dp_vs_ddp["ddp_over_dp"], ".2f")],
+                        ["DataParallel", fmt(dp_vs_ddp["dp"]["samples_per_second"]), "-"],
+                    ],
                 ),
             ]
     pipe = results.get("pipeline")
     if pipe:
         work, single = pipe["workload"], pipe["single_process"]
         parts += [
-            "", f"## 3. Pipeline: {pipe['num_stages']} stage actors", "",
+            "",
+            f"## 3. Pipeline: {pipe['num_stages']} stage actors",
+            "",
             f"{workload_line(work)}; {pipe['threads_per_stage']} CPU and torch thread per stage. "
             f"Single process (plain torch loop, whole model, {single['num_threads']} thread): "
             f"{fmt(single['samples_per_second'])} samples/s. Bubble: share of the stages' time (wall x S) "
@@ -136,17 +181,36 @@ def render(results: dict[str, Any]) -> str:
             "once, or a slow phase of the host, lowers whatever the schedule.",
             "",
             markdown_table(
-                ["M", "schedule", "transport", "samples/s", "vs sequential", "busy share", "op speed",
-                 "vs single process", "bubble", "bubble theory"],
-                [[r["num_microbatches"], r["schedule"] + (f" (= {r['same_ops_as']})" if r["same_ops_as"] else ""),
-                  r["transport"], fmt(r["samples_per_second"]),
-                  fmt(r["speedup_vs_sequential"], ".2f"), *_speedup_parts_cells(r),
-                  fmt(r["speedup_vs_single_process"], ".2f"),
-                  fmt(r["bubble_fraction"], ".3f"),
-                  f"{r['bubble_theory']:.3f}" if r["bubble_theory"] is not None else "-"]
-                 for r in pipe["configs"]],
+                [
+                    "M",
+                    "schedule",
+                    "transport",
+                    "samples/s",
+                    "vs sequential",
+                    "busy share",
+                    "op speed",
+                    "vs single process",
+                    "bubble",
+                    "bubble theory",
+                ],
+                [
+                    [
+                        r["num_microbatches"],
+                        r["schedule"] + (f" (= {r['same_ops_as']})" if r["same_ops_as"] else ""),
+                        r["transport"],
+                        fmt(r["samples_per_second"]),
+                        fmt(r["speedup_vs_sequential"], ".2f"),
+                        *_speedup_parts_cells(r),
+                        fmt(r["speedup_vs_single_process"], ".2f"),
+                        fmt(r["bubble_fraction"], ".3f"),
+                        f"{r['bubble_theory']:.3f}" if r["bubble_theory"] is not None else "-",
+                    ]
+                    for r in pipe["configs"]
+                ],
             ),
-            "", f"### Where the stages' time goes (M={pipe['target_microbatches']})", "",
+            "",
+            f"### Where the stages' time goes (M={pipe['target_microbatches']})",
+            "",
             "Shares of wall x S; `p2p calls`: gloo's send, receive-post and send-wait calls (p2p only); "
             "`other`: dispatch and Python between ops (and, for "
             "transports other than p2p, waiting, which only p2p measures apart). `schedule, measured "
@@ -161,19 +225,40 @@ def render(results: dict[str, Any]) -> str:
             "is the other stages idling because the cut is uneven.",
             "",
             markdown_table(
-                ["schedule", "transport", "compute", "optimizer", "receive wait", "p2p calls", "other", "bubble",
-                 "theory, equal stages", "schedule, median ops", "schedule, measured ops", "busiest stage",
-                 "imbalance"],
-                [[r["schedule"], r["transport"], *_time_shares(r),
-                  fmt(r["bubble_fraction"], ".3f"),
-                  f"{r['bubble_theory']:.3f}" if r["bubble_theory"] is not None else "-",
-                  fmt(r.get("bubble_schedule_median_ops"), ".3f"), fmt(r["bubble_schedule_measured_ops"], ".3f"),
-                  fmt(r.get("bubble_busiest_stage"), ".3f"),
-                  fmt(r.get("stage_imbalance"), ".2f")]
-                 for r in pipe["configs"]
-                 if r["num_microbatches"] == pipe["target_microbatches"] and not r["same_ops_as"]],
+                [
+                    "schedule",
+                    "transport",
+                    "compute",
+                    "optimizer",
+                    "receive wait",
+                    "p2p calls",
+                    "other",
+                    "bubble",
+                    "theory, equal stages",
+                    "schedule, median ops",
+                    "schedule, measured ops",
+                    "busiest stage",
+                    "imbalance",
+                ],
+                [
+                    [
+                        r["schedule"],
+                        r["transport"],
+                        *_time_shares(r),
+                        fmt(r["bubble_fraction"], ".3f"),
+                        f"{r['bubble_theory']:.3f}" if r["bubble_theory"] is not None else "-",
+                        fmt(r.get("bubble_schedule_median_ops"), ".3f"),
+                        fmt(r["bubble_schedule_measured_ops"], ".3f"),
+                        fmt(r.get("bubble_busiest_stage"), ".3f"),
+                        fmt(r.get("stage_imbalance"), ".2f"),
+                    ]
+                    for r in pipe["configs"]
+                    if r["num_microbatches"] == pipe["target_microbatches"] and not r["same_ops_as"]
+                ],
             ),
-            "", "### Transfer cost per micro-batch (sequential schedule: no compute overlaps)", "",
+            "",
+            "### Transfer cost per micro-batch (sequential schedule: no compute overlaps)",
+            "",
             "µs per transfer = (step time - critical path) / (2 (S-1) M), the critical path being every "
             "stage's forward and backward plus the first stage's optimizer step (each later stage steps "
             "while the gradient travels upstream); an upper bound, since the uncovered time also holds "
@@ -181,37 +266,67 @@ def render(results: dict[str, Any]) -> str:
             "Bytes = micro-batch rows x width x 4.",
             "",
             markdown_table(
-                ["M", "micro-batch rows", "bytes per transfer", "transport", "step ms", "critical path ms",
-                 "µs per transfer"],
-                [[r["num_microbatches"], work["batch_size"] // r["num_microbatches"], f"{r['bytes_per_transfer']:,}",
-                  r["transport"], fmt(r["step_s"], ".1f", 1e3), fmt(r["critical_s"], ".1f", 1e3),
-                  fmt(r["transfer_us"], ",.0f")]
-                 for r in pipe["configs"] if r["schedule"] == "sequential"],
+                [
+                    "M",
+                    "micro-batch rows",
+                    "bytes per transfer",
+                    "transport",
+                    "step ms",
+                    "critical path ms",
+                    "µs per transfer",
+                ],
+                [
+                    [
+                        r["num_microbatches"],
+                        work["batch_size"] // r["num_microbatches"],
+                        f"{r['bytes_per_transfer']:,}",
+                        r["transport"],
+                        fmt(r["step_s"], ".1f", 1e3),
+                        fmt(r["critical_s"], ".1f", 1e3),
+                        fmt(r["transfer_us"], ",.0f"),
+                    ]
+                    for r in pipe["configs"]
+                    if r["schedule"] == "sequential"
+                ],
             ),
         ]
         if pipe["transports"]:
             parts += [
-                "", "### Transports", "",
+                "",
+                "### Transports",
+                "",
                 f"`{PIPELINE_TRANSPORT}` (the default): torch.distributed send/recv between the stage actors, one "
-                "actor call per stage per few batches (`--batches-per-call`); `compiled`: a Ray Compiled Graph, one node per op; "
+                "actor call per stage per few batches (`--batches-per-call`); "
+                "`compiled`: a Ray Compiled Graph, one node per op; "
                 "`actor_calls`: one Ray actor call per op, activations as object references.",
                 "",
                 markdown_table(
-                    ["schedule", "M", *[f"{t} samples/s" for t in (PIPELINE_TRANSPORT, *OTHER_TRANSPORTS)],
-                     *[f"{PIPELINE_TRANSPORT} / {t}" for t in OTHER_TRANSPORTS],
-                     *[f"{t} bubble" for t in (PIPELINE_TRANSPORT, *OTHER_TRANSPORTS)]],
-                    [[t["schedule"], t["num_microbatches"],
-                      *[fmt(t[k]["samples_per_second"]) for k in (PIPELINE_TRANSPORT, *OTHER_TRANSPORTS)],
-                      *[fmt(t[f"{PIPELINE_TRANSPORT}_over_{k}"], ".2f") for k in OTHER_TRANSPORTS],
-                      *[fmt(t[k]["bubble_fraction"], ".3f") for k in (PIPELINE_TRANSPORT, *OTHER_TRANSPORTS)]]
-                     for t in pipe["transports"]],
+                    [
+                        "schedule",
+                        "M",
+                        *[f"{t} samples/s" for t in (PIPELINE_TRANSPORT, *OTHER_TRANSPORTS)],
+                        *[f"{PIPELINE_TRANSPORT} / {t}" for t in OTHER_TRANSPORTS],
+                        *[f"{t} bubble" for t in (PIPELINE_TRANSPORT, *OTHER_TRANSPORTS)],
+                    ],
+                    [
+                        [
+                            t["schedule"],
+                            t["num_microbatches"],
+                            *[fmt(t[k]["samples_per_second"]) for k in (PIPELINE_TRANSPORT, *OTHER_TRANSPORTS)],
+                            *[fmt(t[f"{PIPELINE_TRANSPORT}_over_{k}"], ".2f") for k in OTHER_TRANSPORTS],
+                            *[fmt(t[k]["bubble_fraction"], ".3f") for k in (PIPELINE_TRANSPORT, *OTHER_TRANSPORTS)],
+                        ]
+                        for t in pipe["transports"]
+                    ],
                 ),
             ]
     parts += dp_section
     ingest = results.get("ingest")
     if ingest:
         parts += [
-            "", "## 5. Data ingest: Parquet to training batches in one Ray worker", "",
+            "",
+            "## 5. Data ingest: Parquet to training batches in one Ray worker",
+            "",
             f"{ingest['rows']:,} rows, {ingest['file_bytes'] / MIB:.2f} MiB (the DDP data). raypar: `read_dataset` "
             "(read + validate) plus one epoch of the loop's batch indexing; one worker producing every global "
             "batch, against the whole DDP job's consumption (conservative: a DDP worker indexes 1/N of each). "
@@ -220,12 +335,21 @@ def render(results: dict[str, Any]) -> str:
             "",
             markdown_table(
                 ["path", "rows/s", "ratio"],
-                [["pyarrow.parquet.read_table alone", fmt(ingest["pyarrow_rows_per_second"]), "-"],
-                 ["raypar read_dataset + batch indexing", fmt(ingest["raypar_rows_per_second"]),
-                  fmt(ingest["raypar_over_pyarrow"], ".2f") + " of pyarrow"],
-                 ["DDP training consumption (samples/s)", fmt(ingest["ddp_samples_per_second"]),
-                  fmt(ingest["ingest_over_training"], ".1f") + "x headroom"
-                  if ingest["ingest_over_training"] else "-"]],
+                [
+                    ["pyarrow.parquet.read_table alone", fmt(ingest["pyarrow_rows_per_second"]), "-"],
+                    [
+                        "raypar read_dataset + batch indexing",
+                        fmt(ingest["raypar_rows_per_second"]),
+                        fmt(ingest["raypar_over_pyarrow"], ".2f") + " of pyarrow",
+                    ],
+                    [
+                        "DDP training consumption (samples/s)",
+                        fmt(ingest["ddp_samples_per_second"]),
+                        fmt(ingest["ingest_over_training"], ".1f") + "x headroom"
+                        if ingest["ingest_over_training"]
+                        else "-",
+                    ],
+                ],
             ),
         ]
     parts += _stage_memory_section(results.get("stage_memory"))
@@ -235,19 +359,28 @@ def render(results: dict[str, Any]) -> str:
     parts += gpu_sections(results)
     on = "GPU, nccl" if results["suite"] == "gpu" else "CPU, gloo"
     parts += [
-        "", f"## Targets (this machine: {on}; reported, not asserted)", "",
+        "",
+        f"## Targets (this machine: {on}; reported, not asserted)",
+        "",
         markdown_table(
             ["target", "goal", "measured", "target"],
-            [[t["name"], t["goal"],
-              fmt(t["measured"], "+.3f" if t.get("unit") == "points" else ".2f") if t["measured"] else "-",
-              t["status"]] for t in results["targets"]],
+            [
+                [
+                    t["name"],
+                    t["goal"],
+                    fmt(t["measured"], "+.3f" if t.get("unit") == "points" else ".2f") if t["measured"] else "-",
+                    t["status"],
+                ]
+                for t in results["targets"]
+            ],
         ),
         "",
         "A target is `met` or `missed` when the median and both ends of its range agree; `within noise` "
         "when the range (least–most favourable pairing) reaches across the goal: more repetitions or a "
         "quieter machine decide it.",
         "",
-        f"Plots: {', '.join(results['plots']) or 'none for these cases'}." if isinstance(results["plots"], list)
+        f"Plots: {', '.join(results['plots']) or 'none for these cases'}."
+        if isinstance(results["plots"], list)
         else f"{results['plots']}.",
     ]
     return "\n".join(parts) + "\n"
@@ -258,12 +391,22 @@ def _stage_memory_section(memory: dict[str, Any] | None) -> list[str]:
         return []
     rows = []
     for row in memory["rows"]:
-        for stage, (params, rss, device) in enumerate(zip(row["stage_parameter_bytes"], row["stage_peak_rss_bytes"],
-                                                          row["stage_peak_device_bytes"])):
-            rows.append([row["num_stages"], stage, f"{params / MIB:.1f}", f"{rss / MIB:.0f}",
-                         f"{device / MIB:.0f}" if device is not None else "-"])
+        for stage, (params, rss, device) in enumerate(
+            zip(row["stage_parameter_bytes"], row["stage_peak_rss_bytes"], row["stage_peak_device_bytes"])
+        ):
+            rows.append(
+                [
+                    row["num_stages"],
+                    stage,
+                    f"{params / MIB:.1f}",
+                    f"{rss / MIB:.0f}",
+                    f"{device / MIB:.0f}" if device is not None else "-",
+                ]
+            )
     return [
-        "", "## 6. Pipeline stage memory: one model, more stages", "",
+        "",
+        "## 6. Pipeline stage memory: one model, more stages",
+        "",
         f"{workload_line(memory['workload'])}; {memory['cpus_per_stage']:g} CPU per stage. Each stage builds only its "
         "own layers (the model exists whole on the meta device only) and is sent only its slice of the weights; "
         "peak RSS is the stage process's VmHWM over the whole run (weights, gradients, optimizer state, "
@@ -277,15 +420,29 @@ def _stream_section(stream: dict[str, Any] | None) -> list[str]:
     if not stream:
         return []
     runs = stream["runs"]
-    rows = [[run["data"], f"{run['rows']:,}", f"{run['file_bytes'] / MIB:,.0f}", run["ingest"],
-             f"{run['driver_peak_rss_bytes'] / MIB:,.0f}", f"{max(run['worker_peak_rss_bytes']) / MIB:,.0f}",
-             f"{run['samples_per_second']:,.0f}", f"{run['data_wait_fraction']:.3f}",
-             f"{run['bytes_read'] / (run['file_bytes'] * stream['workload']['epochs']):.2f}"] for run in runs]
-    growth = [[mode, f"{g['file_bytes'] / MIB:,.0f}", f"{g['driver_bytes'] / MIB:+,.0f}", f"{g['worker_bytes'] / MIB:+,.0f}"]
-              for mode, g in stream["growth"].items()]
+    rows = [
+        [
+            run["data"],
+            f"{run['rows']:,}",
+            f"{run['file_bytes'] / MIB:,.0f}",
+            run["ingest"],
+            f"{run['driver_peak_rss_bytes'] / MIB:,.0f}",
+            f"{max(run['worker_peak_rss_bytes']) / MIB:,.0f}",
+            f"{run['samples_per_second']:,.0f}",
+            f"{run['data_wait_fraction']:.3f}",
+            f"{run['bytes_read'] / (run['file_bytes'] * stream['workload']['epochs']):.2f}",
+        ]
+        for run in runs
+    ]
+    growth = [
+        [mode, f"{g['file_bytes'] / MIB:,.0f}", f"{g['driver_bytes'] / MIB:+,.0f}", f"{g['worker_bytes'] / MIB:+,.0f}"]
+        for mode, g in stream["growth"].items()
+    ]
     fastest = max(run["samples_per_second"] for run in runs if run["ingest"] == "stream")
     return [
-        "", "## 7. Streaming ingest: 16x the data, and what each process holds", "",
+        "",
+        "## 7. Streaming ingest: 16x the data, and what each process holds",
+        "",
         f"{workload_line(stream['workload'])} (the large data; the small one has 1/16 of its rows); DDP with "
         f"{stream['num_workers']} workers, each driver a process of its own (its peak RSS is its own). `memory` "
         "reads the data whole in the driver and maps it into every worker; `stream` reads it window by window "
@@ -293,8 +450,20 @@ def _stream_section(stream: dict[str, Any] | None) -> list[str]:
         f"{stream['reader_rows_per_second']:,.0f} rows/s, {stream['reader_rows_per_second'] / fastest:.1f}x the "
         "fastest streamed DDP run's consumption.",
         "",
-        markdown_table(["data", "rows", "file, MiB", "ingest", "driver peak RSS, MiB", "largest worker peak RSS, MiB",
-                        "samples/s", "data wait", "bytes read per epoch / file"], rows),
+        markdown_table(
+            [
+                "data",
+                "rows",
+                "file, MiB",
+                "ingest",
+                "driver peak RSS, MiB",
+                "largest worker peak RSS, MiB",
+                "samples/s",
+                "data wait",
+                "bytes read per epoch / file",
+            ],
+            rows,
+        ),
         "",
         markdown_table(["ingest", "more data, MiB", "driver peak RSS, MiB", "worker peak RSS, MiB"], growth),
     ]
@@ -315,8 +484,10 @@ def _steal_line(runs: list[dict[str, Any]] | None) -> str:
         return ""
     worst = max(runs, key=lambda r: r["steal_fraction"])
     median = statistics.median(r["steal_fraction"] for r in runs)
-    return (f"CPU time taken by the hypervisor (steal) during the measured runs: median {median:.1%}, "
-            f"most {worst['steal_fraction']:.1%} ({worst['run']}). ")
+    return (
+        f"CPU time taken by the hypervisor (steal) during the measured runs: median {median:.1%}, "
+        f"most {worst['steal_fraction']:.1%} ({worst['run']}). "
+    )
 
 
 def _speedup_parts_cells(row: dict) -> list[str]:
@@ -334,6 +505,8 @@ def _time_shares(row: dict) -> list[str]:
 
 
 def workload_line(work: dict[str, Any]) -> str:
-    return (f"`{work['model']}` hidden {work['hidden']} depth {work['depth']}, {work['in_features']} -> "
-            f"{work['out_features']}, {work['rows']:,} rows, global batch {work['batch_size']}, "
-            f"{work['epochs']} epoch{'s' if work['epochs'] != 1 else ''} of {work['rows'] // work['batch_size']} steps")
+    return (
+        f"`{work['model']}` hidden {work['hidden']} depth {work['depth']}, {work['in_features']} -> "
+        f"{work['out_features']}, {work['rows']:,} rows, global batch {work['batch_size']}, "
+        f"{work['epochs']} epoch{'s' if work['epochs'] != 1 else ''} of {work['rows'] // work['batch_size']} steps"
+    )

@@ -1,4 +1,5 @@
 """bench.md's sections for the GPU cases (``--suite gpu``)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -7,17 +8,29 @@ from ray_jobs.bench.report import fmt, markdown_table, workload_line
 
 
 def gpu_sections(results: dict[str, Any]) -> list[str]:
-    return (_data_parallel(results.get("gpu_data_parallel")) + _precision(results.get("gpu_precision"))
-            + _pipeline(results.get("gpu_pipeline")))
+    return (
+        _data_parallel(results.get("gpu_data_parallel"))
+        + _precision(results.get("gpu_precision"))
+        + _pipeline(results.get("gpu_pipeline"))
+    )
 
 
 def _data_parallel(case: dict[str, Any] | None) -> list[str]:
     if not case:
         return []
-    rows = [[p["num_gpus"], fmt(p["samples_per_second"]), fmt(p["per_gpu_over_plain_loop"], ".3f"),
-             fmt(p["over_torch_ddp"], ".3f")] for p in case["points"]]
+    rows = [
+        [
+            p["num_gpus"],
+            fmt(p["samples_per_second"]),
+            fmt(p["per_gpu_over_plain_loop"], ".3f"),
+            fmt(p["over_torch_ddp"], ".3f"),
+        ]
+        for p in case["points"]
+    ]
     return [
-        "", f"## GPU 1. DDP over 1 to {case['num_gpus']} GPU(s) beside plain PyTorch", "",
+        "",
+        f"## GPU 1. DDP over 1 to {case['num_gpus']} GPU(s) beside plain PyTorch",
+        "",
         f"{workload_line(case['workload'])}. The plain loop: one process on one GPU, no Ray, the same data "
         f"(on the GPU), order and steps: {fmt(case['plain_loop'])} samples/s. Plain DDP: "
         "`torch.multiprocessing.spawn`, one process per GPU, nccl.",
@@ -32,11 +45,19 @@ def _precision(case: dict[str, Any] | None) -> list[str]:
     if not case:
         return []
     figures = case["figures"]
-    rows = [[key.replace("-", ", "), fmt(f["samples_per_second"]), fmt(f["final_loss"], ".5f"),
-             " ".join(f"{loss:.4f}" for loss in (case["loss_curves"][key] or [[]])[0])]
-            for key, f in figures.items()]
+    rows = [
+        [
+            key.replace("-", ", "),
+            fmt(f["samples_per_second"]),
+            fmt(f["final_loss"], ".5f"),
+            " ".join(f"{loss:.4f}" for loss in (case["loss_curves"][key] or [[]])[0]),
+        ]
+        for key, f in figures.items()
+    ]
     return [
-        "", "## GPU 2. fp32 against bf16 on one GPU", "",
+        "",
+        "## GPU 2. fp32 against bf16 on one GPU",
+        "",
         f"{workload_line(case['workload'])}; `--precision bf16`: autocast over the forward and loss, float32 "
         "weights and optimizer state.",
         "",
@@ -53,11 +74,15 @@ def _pipeline(case: dict[str, Any] | None) -> list[str]:
     if not case:
         return []
     shared = " (two stages sharing one GPU)" if case["gpus_per_stage"] < 1 else ""
-    rows = [[row["schedule"], row["transport"], fmt(row["samples_per_second"]), fmt(row["over_sequential"], ".2f")]
-            for row in case["rows"]]
+    rows = [
+        [row["schedule"], row["transport"], fmt(row["samples_per_second"]), fmt(row["over_sequential"], ".2f")]
+        for row in case["rows"]
+    ]
     return [
-        "", f"## GPU 3. The pipeline over GPUs: S={case['num_stages']}, M={case['num_microbatches']}, "
-        f"--gpus-per-stage {case['gpus_per_stage']:g}{shared}", "",
+        "",
+        f"## GPU 3. The pipeline over GPUs: S={case['num_stages']}, M={case['num_microbatches']}, "
+        f"--gpus-per-stage {case['gpus_per_stage']:g}{shared}",
+        "",
         f"{workload_line(case['workload'])}.",
         "",
         markdown_table(["schedule", "transport", "samples/s", "/ sequential"], rows),

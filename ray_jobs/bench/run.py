@@ -14,6 +14,7 @@ Cases: DDP overhead (raypar vs torch.multiprocessing + gloo), DDP scaling, the a
 ``--suite gpu`` (CUDA only; one ``error:`` line without it): DDP over 1..N GPUs vs the plain loop
 and plain nccl DDP, DataParallel vs DDP, fp32 vs bf16, the pipeline over GPUs (``cases/gpu.py``).
 """
+
 from __future__ import annotations
 
 import json
@@ -52,7 +53,8 @@ def machine_info() -> dict[str, Any]:
         "load_average_at_start": _load_average(),
         "cuda": torch.version.cuda,
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        if torch.cuda.is_available() else [],
+        if torch.cuda.is_available()
+        else [],
     }
 
 
@@ -61,8 +63,9 @@ def _load_average() -> list[float] | None:
     return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
 
 
-def run_suite(suite: Suite, out: str, storage_path: str, address: str | None,
-              cases: Sequence[str] | None = None) -> dict[str, Any]:
+def run_suite(
+    suite: Suite, out: str, storage_path: str, address: str | None, cases: Sequence[str] | None = None
+) -> dict[str, Any]:
     """Run ``suite`` (``cases``, by default the suite's own) and write ``bench.json``, ``bench.md``
     and plots into ``out``."""
     cases = suite_cases(suite.name) if cases is None else cases
@@ -72,8 +75,12 @@ def run_suite(suite: Suite, out: str, storage_path: str, address: str | None,
     os.makedirs(out, exist_ok=True)
     connect(address)
     bench = Bench(suite, out, storage_path)
-    results: dict[str, Any] = {"suite": suite.name, "settings": asdict(suite), "machine": machine_info(),
-                               "complete": False}
+    results: dict[str, Any] = {
+        "suite": suite.name,
+        "settings": asdict(suite),
+        "machine": machine_info(),
+        "complete": False,
+    }
     for name, case in CASES.items():
         if name in cases:
             results[name] = case(bench, results)
@@ -118,19 +125,32 @@ def _write_json(results: dict[str, Any], out: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m ray_jobs.bench", description=__doc__)
-    parser.add_argument("--suite", default="quick",
-                        help="; ".join(f"{s.name}: {s.description}" for s in SUITES.values()) + " (default: quick)")
+    parser.add_argument(
+        "--suite",
+        default="quick",
+        help="; ".join(f"{s.name}: {s.description}" for s in SUITES.values()) + " (default: quick)",
+    )
     parser.add_argument("--out", default="runs/bench", help="output folder (default: runs/bench)")
-    parser.add_argument("--cases", default=None,
-                        help=f"comma-separated subset of {', '.join(CASES)} (default: the suite's: "
-                             f"{', '.join(suite_cases('gpu'))} for --suite gpu, the others otherwise)")
-    parser.add_argument("--storage-path", default=None,
-                        help="where the benchmarked runs write checkpoints; shared storage on a multi-node "
-                             "cluster (default: a temporary local folder, deleted at the end)")
+    parser.add_argument(
+        "--cases",
+        default=None,
+        help=f"comma-separated subset of {', '.join(CASES)} (default: the suite's: "
+        f"{', '.join(suite_cases('gpu'))} for --suite gpu, the others otherwise)",
+    )
+    parser.add_argument(
+        "--storage-path",
+        default=None,
+        help="where the benchmarked runs write checkpoints; shared storage on a multi-node "
+        "cluster (default: a temporary local folder, deleted at the end)",
+    )
     parser.add_argument("--address", default=None, help=ADDRESS_HELP)
-    parser.add_argument("--render", metavar="DIR", default=None,
-                        help="measure nothing: write DIR/bench.md and the plots anew from DIR/bench.json "
-                             "(after installing matplotlib, or after a change to the report)")
+    parser.add_argument(
+        "--render",
+        metavar="DIR",
+        default=None,
+        help="measure nothing: write DIR/bench.md and the plots anew from DIR/bench.json "
+        "(after installing matplotlib, or after a change to the report)",
+    )
     args = parser.parse_args(argv)
     if args.render is not None:
         return _rerender_main(args.render)
@@ -142,8 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--cases {args.cases!r}: valid cases are {', '.join(CASES)}")
     if (args.suite == "gpu" or set(cases) & set(suite_cases("gpu"))) and not torch.cuda.is_available():
         # Before Ray starts or any data is written: there is nothing to measure here.
-        print(f"error: --suite gpu needs a CUDA GPU; this machine has none that torch {torch.__version__} can use "
-              "(torch.cuda.is_available() is False)", file=sys.stderr)
+        print(
+            f"error: --suite gpu needs a CUDA GPU; this machine has none that torch {torch.__version__} can use "
+            "(torch.cuda.is_available() is False)",
+            file=sys.stderr,
+        )
         return 2
     from ray_jobs.driver.connect import reachable
 
@@ -159,8 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"interrupted; {os.path.join(args.out, 'bench.json')} holds the cases finished so far, if any",
-              file=sys.stderr)
+        print(
+            f"interrupted; {os.path.join(args.out, 'bench.json')} holds the cases finished so far, if any",
+            file=sys.stderr,
+        )
         return 130
     finally:
         if scratch:

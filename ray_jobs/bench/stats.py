@@ -1,5 +1,6 @@
 """The bench's statistics: figures of repetitions (median, min, max), their ratios, the epochs the
 hypervisor left alone, the pipeline's theory, and the targets judged on them."""
+
 from __future__ import annotations
 
 import statistics
@@ -46,8 +47,9 @@ def steady(epoch_seconds: Sequence[float], samples_per_epoch: int) -> list[float
     return [samples_per_epoch / seconds for seconds in after_warmup(epoch_seconds)]
 
 
-def quiet(epoch_seconds: Sequence[float], epoch_steal: Sequence[float | None] | None,
-          samples_per_epoch: int) -> list[float]:
+def quiet(
+    epoch_seconds: Sequence[float], epoch_steal: Sequence[float | None] | None, samples_per_epoch: int
+) -> list[float]:
     """Samples/s of the ``steady`` epochs the hypervisor took at most ``QUIET_STEAL`` of the CPU
     from: what the code does when the host leaves it alone (steal is never negative noise)."""
     steal = after_warmup(epoch_steal or [None] * len(epoch_seconds))
@@ -113,12 +115,12 @@ def speedup_parts(row: dict[str, Any], baseline: dict[str, Any]) -> dict[str, An
     second of busy stage time over the baseline's, which is how fast the ops themselves ran (two
     stages computing at once, or a slow phase of the host, slow them; no schedule controls that).
     None when a row lacks per-epoch bubbles to pair with its rates."""
+
     def per_epoch(figures: dict[str, Any]) -> tuple[dict, dict] | None:
         rates, bubbles = figures["samples_per_second"]["values"], figures["bubble_fraction"].get("values")
         if not bubbles or len(bubbles) != len(rates) or max(bubbles) >= 1:
             return None
-        return (stats([1.0 - b for b in bubbles]),
-                stats([rate / (1.0 - b) for rate, b in zip(rates, bubbles)]))
+        return (stats([1.0 - b for b in bubbles]), stats([rate / (1.0 - b) for rate, b in zip(rates, bubbles)]))
 
     pipelined, sequential = per_epoch(row), per_epoch(baseline)
     if pipelined is None or sequential is None:
@@ -144,8 +146,10 @@ def summarise(runs: list[dict[str, Any]], text: Sequence[str] = ()) -> dict[str,
     keys = {k for r in runs for k, v in r.items() if isinstance(v, (int, float, list)) and not isinstance(v, bool)}
     # A list holds one run's timed epochs: every epoch of every run is one repetition. None (or
     # a missing key): not measured in that run, e.g. CPU steal off Linux.
-    values = {k: [x for r in runs for x in (r.get(k) if isinstance(r.get(k), list) else [r.get(k)]) if x is not None]
-              for k in sorted(keys)}
+    values = {
+        k: [x for r in runs for x in (r.get(k) if isinstance(r.get(k), list) else [r.get(k)]) if x is not None]
+        for k in sorted(keys)
+    }
     figures: dict[str, Any] = {k: stats(v) for k, v in values.items() if v}
     for key in text:
         values = sorted({str(r[key]) for r in runs})
@@ -159,12 +163,25 @@ def gpu_targets(results: dict[str, Any]) -> list[dict]:
     found = []
     points = (results.get("gpu_data_parallel") or {}).get("points") or [{"num_gpus": 1}]
     for point in points:
-        found.append(target(f"GPU DDP {point['num_gpus']} GPU: samples/s per GPU / plain loop on 1 GPU",
-                            point.get("per_gpu_over_plain_loop"), f">= {TARGET_GPU_DDP_PER_GPU}x",
-                            lambda v: v >= TARGET_GPU_DDP_PER_GPU, "x"))
+        found.append(
+            target(
+                f"GPU DDP {point['num_gpus']} GPU: samples/s per GPU / plain loop on 1 GPU",
+                point.get("per_gpu_over_plain_loop"),
+                f">= {TARGET_GPU_DDP_PER_GPU}x",
+                lambda v: v >= TARGET_GPU_DDP_PER_GPU,
+                "x",
+            )
+        )
     precision = results.get("gpu_precision")
-    found.append(target("GPU bf16 / fp32 samples/s, raypar DDP 1 GPU", precision and precision["raypar_bf16_over_fp32"],
-                        f">= {TARGET_BF16_SPEEDUP:g}x", lambda v: v >= TARGET_BF16_SPEEDUP, "x"))
+    found.append(
+        target(
+            "GPU bf16 / fp32 samples/s, raypar DDP 1 GPU",
+            precision and precision["raypar_bf16_over_fp32"],
+            f">= {TARGET_BF16_SPEEDUP:g}x",
+            lambda v: v >= TARGET_BF16_SPEEDUP,
+            "x",
+        )
+    )
     return found
 
 
@@ -176,25 +193,52 @@ def targets(results: dict[str, Any]) -> list[dict]:
     overhead = data_parallel["ddp_overhead"] if data_parallel else None
     # Judged where the host left both sides alone, if it did often enough: steal only slows.
     quiet_judged = overhead and overhead.get("quiet_samples_per_second_ratio")
-    found.append(target(
-        "DDP steady samples/s, raypar / torch" + (f", epochs with <= {QUIET_STEAL:.0%} steal" if quiet_judged else ""),
-        quiet_judged or (overhead and overhead["samples_per_second_ratio"]),
-        f">= {TARGET_DDP_RATIO}x", lambda v: v >= TARGET_DDP_RATIO, "x"))
+    found.append(
+        target(
+            "DDP steady samples/s, raypar / torch"
+            + (f", epochs with <= {QUIET_STEAL:.0%} steal" if quiet_judged else ""),
+            quiet_judged or (overhead and overhead["samples_per_second_ratio"]),
+            f">= {TARGET_DDP_RATIO}x",
+            lambda v: v >= TARGET_DDP_RATIO,
+            "x",
+        )
+    )
     pipe, settings = results.get("pipeline"), results.get("settings", {})
     num_stages, m = settings.get("num_stages", "?"), settings.get("target_microbatches", "?")
     for schedule in ("gpipe", "1f1b"):
         row = _pipeline_row(pipe, schedule, m, PIPELINE_TRANSPORT) if pipe else None
         label = f"pipeline {schedule} S={num_stages} M={m}"
-        found.append(target(f"{label} / sequential samples/s", row and row["speedup_vs_sequential"],
-                            f">= {TARGET_PIPELINE_SPEEDUP}x", lambda v: v >= TARGET_PIPELINE_SPEEDUP, "x"))
+        found.append(
+            target(
+                f"{label} / sequential samples/s",
+                row and row["speedup_vs_sequential"],
+                f">= {TARGET_PIPELINE_SPEEDUP}x",
+                lambda v: v >= TARGET_PIPELINE_SPEEDUP,
+                "x",
+            )
+        )
         gap = None
         if row:
             gap = {k: row["bubble_fraction"][k] - row["bubble_theory"] for k in ("median", "min", "max")}
-        found.append(target(f"{label} bubble - theory", gap, f"within ±{TARGET_BUBBLE_POINTS * 100:.0f} points",
-                            lambda v: abs(v) <= TARGET_BUBBLE_POINTS, "points"))
+        found.append(
+            target(
+                f"{label} bubble - theory",
+                gap,
+                f"within ±{TARGET_BUBBLE_POINTS * 100:.0f} points",
+                lambda v: abs(v) <= TARGET_BUBBLE_POINTS,
+                "points",
+            )
+        )
     ingest = results.get("ingest")
-    found.append(target("ingest rows/s / DDP samples/s", ingest and ingest["ingest_over_training"],
-                        f">= {TARGET_INGEST_RATIO:g}x", lambda v: v >= TARGET_INGEST_RATIO, "x"))
+    found.append(
+        target(
+            "ingest rows/s / DDP samples/s",
+            ingest and ingest["ingest_over_training"],
+            f">= {TARGET_INGEST_RATIO:g}x",
+            lambda v: v >= TARGET_INGEST_RATIO,
+            "x",
+        )
+    )
     return found + stream_targets(results.get("stream_ingest"))
 
 
@@ -202,13 +246,18 @@ def _fed_target(headroom: float | None, fed: list[float] | None) -> dict:
     name = f"stream: data wait share when the reader's headroom is >= {TARGET_STREAM_FED_HEADROOM:g}x"
     goal = f"<= {TARGET_STREAM_DATA_WAIT}"
     if headroom is not None and not fed:  # the bound holds only where the reader can keep ahead
-        return {"name": name, "goal": goal, "measured": None,
-                "status": f"not judged: headroom {headroom:.1f}x < {TARGET_STREAM_FED_HEADROOM:g}x"}
+        return {
+            "name": name,
+            "goal": goal,
+            "measured": None,
+            "status": f"not judged: headroom {headroom:.1f}x < {TARGET_STREAM_FED_HEADROOM:g}x",
+        }
     return target(name, stats(fed) if fed else None, goal, lambda v: v <= TARGET_STREAM_DATA_WAIT)
 
 
 def stream_targets(stream: dict[str, Any] | None) -> list[dict]:
     """The streaming case's bounds: each one a single measurement, so met or missed outright."""
+
     def one(value: float | None) -> dict[str, Any] | None:
         return None if value is None else stats([value])
 
@@ -218,13 +267,28 @@ def stream_targets(stream: dict[str, Any] | None) -> list[dict]:
     fed = [run["data_wait_fraction"] for run in runs] if headroom and headroom >= TARGET_STREAM_FED_HEADROOM else None
     reads = [run["bytes_read"] / (run["file_bytes"] * stream["workload"]["epochs"]) for run in runs]
     return [
-        target("stream: driver peak RSS, 16x the data - 1x", one(growth and growth["driver_bytes"] / MIB),
-               f"< {TARGET_STREAM_GROWTH_MIB} MiB", lambda v: v < TARGET_STREAM_GROWTH_MIB, " MiB"),
-        target("stream: a worker's peak RSS, 16x the data - 1x", one(growth and growth["worker_bytes"] / MIB),
-               f"< {TARGET_STREAM_GROWTH_MIB} MiB", lambda v: v < TARGET_STREAM_GROWTH_MIB, " MiB"),
+        target(
+            "stream: driver peak RSS, 16x the data - 1x",
+            one(growth and growth["driver_bytes"] / MIB),
+            f"< {TARGET_STREAM_GROWTH_MIB} MiB",
+            lambda v: v < TARGET_STREAM_GROWTH_MIB,
+            " MiB",
+        ),
+        target(
+            "stream: a worker's peak RSS, 16x the data - 1x",
+            one(growth and growth["worker_bytes"] / MIB),
+            f"< {TARGET_STREAM_GROWTH_MIB} MiB",
+            lambda v: v < TARGET_STREAM_GROWTH_MIB,
+            " MiB",
+        ),
         _fed_target(headroom, fed),
-        target("stream: bytes read per epoch / file size", stats(reads) if reads else None,
-               f"<= {TARGET_STREAM_READ_RATIO}x", lambda v: v <= TARGET_STREAM_READ_RATIO, "x"),
+        target(
+            "stream: bytes read per epoch / file size",
+            stats(reads) if reads else None,
+            f"<= {TARGET_STREAM_READ_RATIO}x",
+            lambda v: v <= TARGET_STREAM_READ_RATIO,
+            "x",
+        ),
     ]
 
 

@@ -1,5 +1,6 @@
 """The bench's suites: each a DDP and a pipeline workload (a model and a synthetic dataset), and how
 many repetitions and configurations of each case it runs."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,9 +25,16 @@ class Workload:
         # Checkpoint once, at the end: checkpoints are outside the timed loop, but not outside
         # the wall time that start-up cost is derived from.
         return TrainConfig(
-            model=self.model, hidden=self.hidden, depth=self.depth, data=data, epochs=self.epochs,
-            batch_size=self.batch_size, checkpoint_every=self.epochs, num_checkpoints_to_keep=1,
-            storage_path=storage_path, name=name,
+            model=self.model,
+            hidden=self.hidden,
+            depth=self.depth,
+            data=data,
+            epochs=self.epochs,
+            batch_size=self.batch_size,
+            checkpoint_every=self.epochs,
+            num_checkpoints_to_keep=1,
+            storage_path=storage_path,
+            name=name,
         )
 
     @property
@@ -130,7 +138,7 @@ SUITES: dict[str, Suite] = {
     "gpu": Suite(
         name="gpu",
         description="a machine with CUDA GPUs: DDP, DataParallel, fp32 vs bf16 and the pipeline beside plain "
-                    "PyTorch on the same GPUs",
+        "PyTorch on the same GPUs",
         # The compute-bound MLP of issue #22 (256 -> 2048 x6 -> 16, batch 4096): ~430k samples/s in
         # fp32 on one H200 (2026-12-04), so each 131,072-row epoch lasts ~0.3 s.
         ddp=Workload("mlp", 2048, 7, rows=131072, in_features=256, out_features=16, batch_size=4096, epochs=6),

@@ -1,6 +1,7 @@
 """How a global batch is cut: consecutive global batches of an epoch's order, a worker's
 contiguous slice of one (and its weight when the slices are uneven), a pipeline's micro-batches.
 """
+
 from __future__ import annotations
 
 import torch

@@ -8,6 +8,7 @@ stage's) RNG state. The newest checkpoint is the one with the most completed wor
 its directory's name: never from file times, which object stores keep in whole seconds and
 copies reset.
 """
+
 from __future__ import annotations
 
 import re
@@ -143,8 +144,11 @@ def latest_progress(run_dir: storage.Target) -> tuple[int, int] | None:
 
 def _checkpoint_dirs(run_dir: storage.Target) -> tuple[list[tuple[tuple[int, int], str]], list[str]]:
     """Checkpoint directories named by progress (newest first), and the others."""
-    names = [name for name in storage.list_dir(run_dir) if name.startswith(CHECKPOINT_PREFIX)
-             and storage.exists(storage.join(run_dir, name, CHECKPOINT_FILE))]
+    names = [
+        name
+        for name in storage.list_dir(run_dir)
+        if name.startswith(CHECKPOINT_PREFIX) and storage.exists(storage.join(run_dir, name, CHECKPOINT_FILE))
+    ]
     named = sorted(((_progress_of(name), name) for name in names if _progress_of(name)), reverse=True)
     return named, [name for name in names if not _progress_of(name)]
 
@@ -159,14 +163,25 @@ def _try_read(directory: storage.Target) -> TrainState | None:
 def slice_state(state: TrainState, keys: set[str], index: int, num_parts: int) -> TrainState:
     """Part ``index`` of ``num_parts`` of a full state: the weights and optimizer state under
     ``keys``, and that part's RNG state when the state was taken with as many parts."""
-    params = [{**group, "params": [name for name in group["params"] if name in keys]}
-              for group in state.optimizer.get("param_groups", [])]
-    optimizer = {"state": {k: v for k, v in state.optimizer.get("state", {}).items() if k in keys},
-                 "param_groups": params}
+    params = [
+        {**group, "params": [name for name in group["params"] if name in keys]}
+        for group in state.optimizer.get("param_groups", [])
+    ]
+    optimizer = {
+        "state": {k: v for k, v in state.optimizer.get("state", {}).items() if k in keys},
+        "param_groups": params,
+    }
     saved = saved_rng(state, index, num_parts)
-    return TrainState({k: v for k, v in state.model.items() if k in keys}, optimizer, state.epochs_completed,
-                      state.losses, [saved] if saved is not None else [], state.step, state.step_losses,
-                      scaler=state.scaler)
+    return TrainState(
+        {k: v for k, v in state.model.items() if k in keys},
+        optimizer,
+        state.epochs_completed,
+        state.losses,
+        [saved] if saved is not None else [],
+        state.step,
+        state.step_losses,
+        scaler=state.scaler,
+    )
 
 
 def prune_checkpoints(run_dir: storage.Target, num_to_keep: int) -> None:

@@ -3,6 +3,7 @@
 Each field's ``help`` metadata is both its documentation and its ``--flag`` help text, so the
 dataclasses are the single source of truth for names, defaults and meaning.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,10 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 # Every entry point's --address (the flag is not a dataclass field: resume ignores it).
-ADDRESS_HELP = ("Ray cluster to join: host:port of its head, or auto for the one `ray start` runs on this machine "
-                "(default: RAY_ADDRESS, else a new local Ray)")
+ADDRESS_HELP = (
+    "Ray cluster to join: host:port of its head, or auto for the one `ray start` runs on this machine "
+    "(default: RAY_ADDRESS, else a new local Ray)"
+)
 # The --help sections, in this order; the README's flag reference uses the same ones.
 FLAG_GROUPS = ("data", "model", "training", "pipeline", "placement", "checkpoints", "ingest")
 
@@ -37,34 +40,75 @@ class TrainConfig:
     """What to train and how: identical for every strategy, so results are comparable."""
 
     # data
-    data: str | None = field(default=None, metadata=flag_doc(
-        "Parquet file or directory, local or a pyarrow.fs URI", "data", "synthetic: 1,024 rows, 10 -> 5"))
+    data: str | None = field(
+        default=None,
+        metadata=flag_doc(
+            "Parquet file or directory, local or a pyarrow.fs URI", "data", "synthetic: 1,024 rows, 10 -> 5"
+        ),
+    )
     feature_column: str = field(default="features", metadata=flag_doc("list<float> column of inputs", "data"))
-    target_column: str = field(default="target", metadata=flag_doc(
-        "list<float> column (regression) or integer column (classification)", "data"))
-    task: str = field(default="auto", metadata=flag_doc(
-        "auto: an integer target column is classification, floats regression", "data", choices=TASKS))
-    num_classes: int | None = field(default=None, metadata=flag_doc(
-        "classes K (labels 0..K-1)", "data", "the files' raypar.num_classes, else the largest label + 1"))
-    val_data: str | None = field(default=None, metadata=flag_doc(
-        "validation Parquet (same columns; whole in memory or streamed chunk by chunk, as --ingest decides for "
-        "it): its loss (and accuracy) after every epoch, and best_model.pt", "data", "none"))
+    target_column: str = field(
+        default="target",
+        metadata=flag_doc("list<float> column (regression) or integer column (classification)", "data"),
+    )
+    task: str = field(
+        default="auto",
+        metadata=flag_doc("auto: an integer target column is classification, floats regression", "data", choices=TASKS),
+    )
+    num_classes: int | None = field(
+        default=None,
+        metadata=flag_doc(
+            "classes K (labels 0..K-1)", "data", "the files' raypar.num_classes, else the largest label + 1"
+        ),
+    )
+    val_data: str | None = field(
+        default=None,
+        metadata=flag_doc(
+            "validation Parquet (same columns; whole in memory or streamed chunk by chunk, as --ingest decides for "
+            "it): its loss (and accuracy) after every epoch, and best_model.pt",
+            "data",
+            "none",
+        ),
+    )
     # model
-    model: str = field(default="seed-mlp", metadata=flag_doc(
-        f"a registered model ({', '.join(sorted(MODELS))}), or your own as module.path:callable, imported from "
-        "the working directory or PYTHONPATH and called as callable(in_features, out_features, **options) to "
-        "return an nn.Module", "model"))
-    model_option: list[str] = field(default_factory=list, metadata=flag_doc(
-        "KEY=VALUE passed to the model as an option (the value read as int, float, true/false, else a string); "
-        "repeat for more", "model", "none", metavar="KEY=VALUE", action="append"))
-    hidden: int | None = field(default=None, metadata=flag_doc(
-        "hidden width (seed-mlp, seed-split, mlp); for any model, short for --model-option hidden=N", "model",
-        "the model's: 10, 5, 64"))
+    model: str = field(
+        default="seed-mlp",
+        metadata=flag_doc(
+            f"a registered model ({', '.join(sorted(MODELS))}), or your own as module.path:callable, imported from "
+            "the working directory or PYTHONPATH and called as callable(in_features, out_features, **options) to "
+            "return an nn.Module",
+            "model",
+        ),
+    )
+    model_option: list[str] = field(
+        default_factory=list,
+        metadata=flag_doc(
+            "KEY=VALUE passed to the model as an option (the value read as int, float, true/false, else a string); "
+            "repeat for more",
+            "model",
+            "none",
+            metavar="KEY=VALUE",
+            action="append",
+        ),
+    )
+    hidden: int | None = field(
+        default=None,
+        metadata=flag_doc(
+            "hidden width (seed-mlp, seed-split, mlp); for any model, short for --model-option hidden=N",
+            "model",
+            "the model's: 10, 5, 64",
+        ),
+    )
     depth: int | None = field(default=None, metadata=flag_doc("number of Linear layers (mlp)", "model", "4"))
-    dropout: float | None = field(default=None, metadata=flag_doc(
-        "dropout probability after each hidden layer (mlp)", "model", "0, none"))
-    init_from: str | None = field(default=None, metadata=flag_doc(
-        "initial weights: a full state_dict (.pt) of the unsplit model", "model", "built after manual_seed(--seed)"))
+    dropout: float | None = field(
+        default=None, metadata=flag_doc("dropout probability after each hidden layer (mlp)", "model", "0, none")
+    )
+    init_from: str | None = field(
+        default=None,
+        metadata=flag_doc(
+            "initial weights: a full state_dict (.pt) of the unsplit model", "model", "built after manual_seed(--seed)"
+        ),
+    )
     # training
     epochs: int = field(default=3, metadata=flag_doc("passes over the data", "training"))
     batch_size: int = field(default=32, metadata=flag_doc("global batch size, split evenly across workers", "training"))
@@ -73,42 +117,77 @@ class TrainConfig:
     momentum: float = field(default=0.0, metadata=flag_doc("SGD momentum", "training"))
     weight_decay: float = field(default=0.0, metadata=flag_doc("weight decay (sgd and adamw)", "training"))
     seed: int = field(default=0, metadata=flag_doc("seeds initial weights and the epoch shuffles", "training"))
-    shuffle: bool = field(default=True, metadata=flag_doc(
-        "visit rows in file order instead of a seeded shuffle", "training", "shuffled"))
-    precision: str = field(default="fp32", metadata=flag_doc(
-        "autocast dtype of the forward and loss; weights, gradients and optimizer state stay float32 "
-        "(fp16: GPUs only, with a gradient scaler)", "training", choices=PRECISIONS))
+    shuffle: bool = field(
+        default=True, metadata=flag_doc("visit rows in file order instead of a seeded shuffle", "training", "shuffled")
+    )
+    precision: str = field(
+        default="fp32",
+        metadata=flag_doc(
+            "autocast dtype of the forward and loss; weights, gradients and optimizer state stay float32 "
+            "(fp16: GPUs only, with a gradient scaler)",
+            "training",
+            choices=PRECISIONS,
+        ),
+    )
     # checkpoints
-    checkpoint_every: int = field(default=1, metadata=flag_doc(
-        "checkpoint every N epochs (and always at the end)", "checkpoints"))
-    num_checkpoints_to_keep: int = field(default=2, metadata=flag_doc(
-        "checkpoints kept in the run directory", "checkpoints"))
-    storage_path: str = field(default="./runs", metadata=flag_doc(
-        "run storage: a local path or s3:// / gs:// URI", "checkpoints"))
-    name: str | None = field(default=None, metadata=flag_doc(
-        "run name; re-running a name resumes it", "checkpoints", "strategy + timestamp"))
-    checkpoint_every_steps: int = field(default=0, metadata=flag_doc(
-        "also checkpoint every K global batches within an epoch (0: off); a resume restarts at that step",
-        "checkpoints"))
-    max_failures: int = field(default=0, metadata=flag_doc(
-        "worker-group restarts allowed, each resuming from the latest checkpoint", "checkpoints"))
+    checkpoint_every: int = field(
+        default=1, metadata=flag_doc("checkpoint every N epochs (and always at the end)", "checkpoints")
+    )
+    num_checkpoints_to_keep: int = field(
+        default=2, metadata=flag_doc("checkpoints kept in the run directory", "checkpoints")
+    )
+    storage_path: str = field(
+        default="./runs", metadata=flag_doc("run storage: a local path or s3:// / gs:// URI", "checkpoints")
+    )
+    name: str | None = field(
+        default=None, metadata=flag_doc("run name; re-running a name resumes it", "checkpoints", "strategy + timestamp")
+    )
+    checkpoint_every_steps: int = field(
+        default=0,
+        metadata=flag_doc(
+            "also checkpoint every K global batches within an epoch (0: off); a resume restarts at that step",
+            "checkpoints",
+        ),
+    )
+    max_failures: int = field(
+        default=0,
+        metadata=flag_doc("worker-group restarts allowed, each resuming from the latest checkpoint", "checkpoints"),
+    )
     # ingest
-    ingest: str = field(default="auto", metadata=flag_doc(
-        "memory: read the data whole, once; stream: read it window by window, never whole; auto: memory when "
-        "the data's uncompressed size is at most --memory-ingest-limit-mb", "ingest", choices=INGESTS))
-    memory_ingest_limit_mb: float = field(default=1024.0, metadata=flag_doc(
-        "--ingest auto streams data larger than this, uncompressed (MiB)", "ingest"))
-    shuffle_window_rows: int = field(default=65536, metadata=flag_doc(
-        "stream: rows shuffled together; a window closes once its row groups hold this many", "ingest"))
+    ingest: str = field(
+        default="auto",
+        metadata=flag_doc(
+            "memory: read the data whole, once; stream: read it window by window, never whole; auto: memory when "
+            "the data's uncompressed size is at most --memory-ingest-limit-mb",
+            "ingest",
+            choices=INGESTS,
+        ),
+    )
+    memory_ingest_limit_mb: float = field(
+        default=1024.0, metadata=flag_doc("--ingest auto streams data larger than this, uncompressed (MiB)", "ingest")
+    )
+    shuffle_window_rows: int = field(
+        default=65536,
+        metadata=flag_doc(
+            "stream: rows shuffled together; a window closes once its row groups hold this many", "ingest"
+        ),
+    )
     # placement
-    resource_timeout: float = field(default=300.0, metadata=flag_doc(
-        "seconds to wait for an autoscaling cluster to add the nodes a run needs "
-        "(a fixed-size cluster that lacks them fails at once)", "placement"))
+    resource_timeout: float = field(
+        default=300.0,
+        metadata=flag_doc(
+            "seconds to wait for an autoscaling cluster to add the nodes a run needs "
+            "(a fixed-size cluster that lacks them fails at once)",
+            "placement",
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.model not in MODELS and not is_user_model(self.model):
-            raise ValueError(f"--model {self.model!r} is unknown; valid models: {', '.join(sorted(MODELS))}, "
-                             "or module.path:callable for your own")
+            raise ValueError(
+                f"--model {self.model!r} is unknown; valid models: {', '.join(sorted(MODELS))}, "
+                "or module.path:callable for your own"
+            )
         self.model_option = list(self.model_option or [])  # argparse leaves an unrepeated flag None
         self.model_options  # noqa: B018 -- parses --model-option, raising its ValueError now
         require_choice(self.optimizer, OPTIMIZERS, "optimizer")
@@ -158,8 +237,10 @@ def parse_model_options(pairs: list[str]) -> dict[str, Any]:
         if not equals or not key.isidentifier():
             raise ValueError(f"--model-option {pair!r} must be KEY=VALUE with KEY a Python name (e.g. hidden=64)")
         if key in RESERVED_OPTIONS:
-            raise ValueError(f"--model-option {key}=... is not an option: the model is called with "
-                             "(in_features, out_features) from the data")
+            raise ValueError(
+                f"--model-option {key}=... is not an option: the model is called with "
+                "(in_features, out_features) from the data"
+            )
         if key in options:
             raise ValueError(f"--model-option {key} is given twice")
         options[key] = parse_option_value(text)
@@ -182,34 +263,58 @@ class WorkerScaling:
     """How Ray Train places the workers of a data-parallel run (DDP or DataParallel)."""
 
     num_workers: int = field(default=2, metadata=flag_doc("training worker processes (one per GPU on GPU clusters)"))
-    use_gpu: bool = field(default=False, metadata=flag_doc("give each worker GPUs and use nccl", default_text="CPU, gloo"))
-    cpus_per_worker: float = field(default=1.0, metadata=flag_doc("CPUs reserved per worker; also its torch thread count"))
+    use_gpu: bool = field(
+        default=False, metadata=flag_doc("give each worker GPUs and use nccl", default_text="CPU, gloo")
+    )
+    cpus_per_worker: float = field(
+        default=1.0, metadata=flag_doc("CPUs reserved per worker; also its torch thread count")
+    )
     gpus_per_worker: float | None = field(
         default=None, metadata=flag_doc("GPUs per worker, fractional allowed", default_text="1 with --use-gpu")
     )
     placement_strategy: str = field(
         default="PACK", metadata=flag_doc("how workers spread over nodes", choices=PLACEMENT_STRATEGIES)
     )
-    min_workers: int | None = field(default=None, metadata=flag_doc(
-        "elastic run (DDP): after losing workers or nodes, resume on as many workers as the cluster can "
-        "place, at least this many, and grow back to --num-workers when nodes return; the global batch "
-        "and the trained weights stay the same", default_text="--num-workers: not elastic"))
-    resize_interval: float | None = field(default=None, metadata=flag_doc(
-        "elastic run: seconds between the looks a healthy run takes for room to grow back; growing "
-        "restarts the workers from the newest checkpoint, so work since it is redone",
-        default_text="Ray Train's 60"))
-    sync_batchnorm: bool = field(default=False, metadata=flag_doc(
-        "convert the model's BatchNorm layers to SyncBatchNorm, which normalises over the global batch "
-        "(CUDA only, so it needs --use-gpu)", "model"))
+    min_workers: int | None = field(
+        default=None,
+        metadata=flag_doc(
+            "elastic run (DDP): after losing workers or nodes, resume on as many workers as the cluster can "
+            "place, at least this many, and grow back to --num-workers when nodes return; the global batch "
+            "and the trained weights stay the same",
+            default_text="--num-workers: not elastic",
+        ),
+    )
+    resize_interval: float | None = field(
+        default=None,
+        metadata=flag_doc(
+            "elastic run: seconds between the looks a healthy run takes for room to grow back; growing "
+            "restarts the workers from the newest checkpoint, so work since it is redone",
+            default_text="Ray Train's 60",
+        ),
+    )
+    sync_batchnorm: bool = field(
+        default=False,
+        metadata=flag_doc(
+            "convert the model's BatchNorm layers to SyncBatchNorm, which normalises over the global batch "
+            "(CUDA only, so it needs --use-gpu)",
+            "model",
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.sync_batchnorm and not self.use_gpu:
-            raise ValueError("--sync-batchnorm needs --use-gpu: SyncBatchNorm runs on CUDA only; on CPU each "
-                             "worker's BatchNorm normalises over its own shard of the batch")
+            raise ValueError(
+                "--sync-batchnorm needs --use-gpu: SyncBatchNorm runs on CUDA only; on CPU each "
+                "worker's BatchNorm normalises over its own shard of the batch"
+            )
         require(self.num_workers >= 1, "num_workers", self.num_workers, "at least 1")
         if self.min_workers is not None:
-            require(1 <= self.min_workers <= self.num_workers, "min_workers", self.min_workers,
-                    f"between 1 and --num-workers {self.num_workers}")
+            require(
+                1 <= self.min_workers <= self.num_workers,
+                "min_workers",
+                self.min_workers,
+                f"between 1 and --num-workers {self.num_workers}",
+            )
         if self.resize_interval is not None:
             require(self.resize_interval > 0, "resize_interval", self.resize_interval, "positive")
             if not self.elastic:
@@ -225,11 +330,15 @@ class WorkerScaling:
         """Checks that need both configs, run before Ray is touched. A batch that does not divide
         evenly is fine: ``training.shard_weight`` keeps its gradient the global-batch mean."""
         if cfg.batch_size < self.num_workers:
-            raise ValueError(f"--batch-size {cfg.batch_size} is smaller than --num-workers {self.num_workers}: "
-                             "every worker needs at least one row of each global batch")
+            raise ValueError(
+                f"--batch-size {cfg.batch_size} is smaller than --num-workers {self.num_workers}: "
+                "every worker needs at least one row of each global batch"
+            )
         if self.elastic and cfg.max_failures < 1:
-            raise ValueError(f"--min-workers {self.min_workers} needs --max-failures of at least 1: resuming on "
-                             "fewer workers after a loss is one of the run's retries")
+            raise ValueError(
+                f"--min-workers {self.min_workers} needs --max-failures of at least 1: resuming on "
+                "fewer workers after a loss is one of the run's retries"
+            )
         require_gpu_for_fp16(cfg, self.use_gpu, "--use-gpu")
 
     @property

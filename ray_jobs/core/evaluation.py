@@ -6,6 +6,7 @@ row's output therefore never depends on how many workers there are (a matmul's r
 depend on its batch size), and neither does the order of the additions: DDP with any worker
 count, DataParallel and the pipeline's driver all get the same bits.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -35,22 +36,30 @@ class Validation:
     accuracy: float | None
 
 
-def read_val_data(path: str, feature_column: str, target_column: str, train: Dataset | StreamDataset,
-                  stream: bool = False, footers: Footers | None = None) -> Dataset | StreamDataset:
+def read_val_data(
+    path: str,
+    feature_column: str,
+    target_column: str,
+    train: Dataset | StreamDataset,
+    stream: bool = False,
+    footers: Footers | None = None,
+) -> Dataset | StreamDataset:
     """The validation set read as the training set was (its task and classes): whole in memory, or
     with ``stream`` its metadata only, its rows read chunk by chunk as validation needs them. Its
     widths must be the training set's."""
     try:
         if stream:  # read by row group, never by shuffle window: no window size applies
-            val = plan_stream(path, feature_column, target_column, train.task, train.num_classes, window_rows=2**62,
-                              footers=footers)
+            val = plan_stream(
+                path, feature_column, target_column, train.task, train.num_classes, window_rows=2**62, footers=footers
+            )
         else:
             val = read_dataset(path, feature_column, target_column, train.task, train.num_classes)
     except ValueError as error:
         raise _as_val_data_error(error, path) from None
     if val.in_features != train.in_features:
-        raise ValueError(f"--val-data {path} has {val.in_features} features per row, the training data "
-                         f"{train.in_features}")
+        raise ValueError(
+            f"--val-data {path} has {val.in_features} features per row, the training data {train.in_features}"
+        )
     if val.out_features != train.out_features:
         what = "classes" if train.task == "classification" else "target values per row"
         raise ValueError(f"--val-data {path} has {val.out_features} {what}, the training data {train.out_features}")
@@ -59,8 +68,9 @@ def read_val_data(path: str, feature_column: str, target_column: str, train: Dat
 
 def _as_val_data_error(error: ValueError, path: str) -> ValueError:
     message = str(error)
-    return ValueError(message.replace("--data", "--val-data", 1) if message.startswith("--data")
-                      else f"--val-data {path}: {message}")
+    return ValueError(
+        message.replace("--data", "--val-data", 1) if message.startswith("--data") else f"--val-data {path}: {message}"
+    )
 
 
 class _StreamRows:
@@ -78,8 +88,8 @@ class _StreamRows:
             features, targets = self._group(index)
             take = min(end, self.starts[index + 1]) - start
             offset = start - self.starts[index]
-            xs.append(features[offset:offset + take])
-            ys.append(targets[offset:offset + take])
+            xs.append(features[offset : offset + take])
+            ys.append(targets[offset : offset + take])
             start, index = start + take, index + 1
         return torch.cat(xs), torch.cat(ys)
 
@@ -87,8 +97,9 @@ class _StreamRows:
         if self.kept is None or self.kept[0] != index:
             val = self.val
             try:
-                group = decode_block(val.filesystem, val.blocks[index], val.feature_column, val.target_column,
-                                     val.task, val.num_classes)
+                group = decode_block(
+                    val.filesystem, val.blocks[index], val.feature_column, val.target_column, val.task, val.num_classes
+                )
             except ValueError as error:
                 raise _as_val_data_error(error, val.blocks[index].file) from None
             self.kept = (index, group.tensors())
@@ -102,8 +113,9 @@ def _row_reader(val: Dataset | StreamDataset) -> Callable[[int, int], tuple[torc
     return lambda start, end: (features[start:end], targets[start:end])
 
 
-def chunk_sums(model: nn.Module, val: Dataset | StreamDataset, chunks: range | list[int], device: torch.device
-               ) -> dict[int, tuple[float, int]]:
+def chunk_sums(
+    model: nn.Module, val: Dataset | StreamDataset, chunks: range | list[int], device: torch.device
+) -> dict[int, tuple[float, int]]:
     """``{chunk: (loss sum, correct rows)}`` for the given chunks of ``val`` (float64 loss sums)."""
     rows_of = _row_reader(val)
     loss_fn = nn.CrossEntropyLoss(reduction="none") if val.task == "classification" else nn.MSELoss(reduction="none")
@@ -112,8 +124,9 @@ def chunk_sums(model: nn.Module, val: Dataset | StreamDataset, chunks: range | l
     sums = {}
     with torch.no_grad():
         for chunk in chunks:
-            x, y = (tensor.to(device) for tensor in rows_of(chunk * CHUNK_ROWS, min((chunk + 1) * CHUNK_ROWS,
-                                                                                     val.num_rows)))
+            x, y = (
+                tensor.to(device) for tensor in rows_of(chunk * CHUNK_ROWS, min((chunk + 1) * CHUNK_ROWS, val.num_rows))
+            )
             out = model(x)
             per_row = loss_fn(out, y)
             if per_row.dim() > 1:  # MSE: a row's loss is the mean over its target values

@@ -2,6 +2,7 @@
 whichever process saw it (world rank 0 of the workers, the pipeline's driver), read by the driver
 to raise, kept for the user.
 """
+
 from __future__ import annotations
 
 import json

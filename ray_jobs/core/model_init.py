@@ -1,6 +1,7 @@
 """The run's model and its starting weights: built from ``--model`` and the data's widths,
 seeded, or loaded from ``--init-from``; and the one warning for layers a strategy cannot match.
 """
+
 from __future__ import annotations
 
 import io
@@ -28,8 +29,9 @@ def warn_not_reproducible(cfg: TrainConfig, dataset, factory, strategy: str, syn
         model = make_model(cfg, dataset, factory)
     found = [f"{layer} {why}" for layer, why, kind in not_reproducible_layers(model) if not issubclass(kind, synced)]
     if found:
-        warnings.warn(f"{strategy} trains this model but cannot match single-process weights: "
-                      f"{'; '.join(found)}", stacklevel=2)
+        warnings.warn(
+            f"{strategy} trains this model but cannot match single-process weights: {'; '.join(found)}", stacklevel=2
+        )
 
 
 def initial_model(cfg: TrainConfig, dataset: Dataset, factory: Callable[..., nn.Module] | None = None) -> nn.Module:

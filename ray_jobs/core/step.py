@@ -4,6 +4,7 @@
 Nothing here knows how the batch is split; strategies only decide which rows of each global
 batch a worker or stage sees, and how gradients are combined.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,8 +54,15 @@ def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | 
 
 
 def train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: nn.Module, x: torch.Tensor, y: torch.Tensor,
-    weight: float = 1.0, *, precision: str = "fp32", scaler: torch.amp.GradScaler | None = None,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    weight: float = 1.0,
+    *,
+    precision: str = "fp32",
+    scaler: torch.amp.GradScaler | None = None,
 ) -> torch.Tensor:
     """One optimizer step on one (shard of a) global batch; returns the detached loss, scaled by
     ``weight`` (``shard_weight``: an uneven slice's share of the global batch). With a ``scaler``

@@ -3,6 +3,7 @@
 ``python -m ray_jobs.data synth --out PATH ...`` writes a synthetic dataset; ``python -m
 ray_jobs.data reshard DATA --out PATH --row-group-rows R`` rewrites data with smaller row groups.
 """
+
 from __future__ import annotations
 
 import sys
@@ -23,8 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     synth.add_argument("--out-features", type=int, default=5, help="target width, or number of classes")
     synth.add_argument("--task", default="regression", help=f"one of {', '.join(TASKS)}")
     synth.add_argument("--seed", type=int, default=0)
-    synth.add_argument("--row-group-rows", type=int, default=ROW_GROUP_ROWS,
-                       help=f"rows per Parquet row group, the unit a stream reads (default: {ROW_GROUP_ROWS})")
+    synth.add_argument(
+        "--row-group-rows",
+        type=int,
+        default=ROW_GROUP_ROWS,
+        help=f"rows per Parquet row group, the unit a stream reads (default: {ROW_GROUP_ROWS})",
+    )
     resharder = commands.add_parser("reshard", help="rewrite Parquet data with smaller row groups, for streaming")
     resharder.add_argument("data", help="Parquet file or directory, local or URI")
     resharder.add_argument("--out", required=True, help="where to write it (a file for a file, else a directory)")

@@ -33,8 +33,9 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def prefetched(batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-               device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def prefetched(
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """``batches`` on ``device``, each copied one step ahead: on a GPU, batch k+1 is gathered,
     pinned and copied on a side stream while the GPU runs step k, so no step waits on a host copy.
     On the CPU it is a no-op: the batches as they come, none read ahead."""

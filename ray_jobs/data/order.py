@@ -2,16 +2,12 @@
 (``epoch_order``: one permutation of every row, in memory) and v2 (``stream_windows``: shuffle
 windows of row groups, each permuted, when streaming).
 """
+
 from __future__ import annotations
 
-import contextlib
-import io
-import math
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+
 import torch
-from torch import nn
-from models import build_model, not_reproducible_layers
 
 
 def epoch_order(num_rows: int, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
@@ -21,7 +17,9 @@ def epoch_order(num_rows: int, seed: int, epoch: int, shuffle: bool) -> torch.Te
     return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
 
 
-def stream_windows(block_rows: Sequence[int], seed: int, epoch: int, shuffle: bool, window_rows: int) -> list[list[int]]:
+def stream_windows(
+    block_rows: Sequence[int], seed: int, epoch: int, shuffle: bool, window_rows: int
+) -> list[list[int]]:
     """Order contract v2 (``--ingest stream``): epoch ``epoch``'s shuffle windows, each a list of
     block indices (Parquet row groups, files in name order) in the window's order. Blocks are
     visited in ``randperm(num_blocks, seed + epoch)`` order (file order without shuffle), and a
@@ -48,8 +46,9 @@ def window_permutation(num_rows: int, seed: int, epoch: int, window: int, shuffl
     return torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch + (window + 1) * 2**32))
 
 
-def stream_epoch_order(block_rows: Sequence[int], seed: int, epoch: int, shuffle: bool,
-                       window_rows: int) -> torch.Tensor:
+def stream_epoch_order(
+    block_rows: Sequence[int], seed: int, epoch: int, shuffle: bool, window_rows: int
+) -> torch.Tensor:
     """Order contract v2 as global row indices: the windows' permuted rows, concatenated. The
     stream never builds it (each window is permuted as it is read); the tests' reference does."""
     starts = [0]

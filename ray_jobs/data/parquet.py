@@ -1,6 +1,7 @@
 """Parquet training data: reading and validating it with pyarrow, and writing synthetic or
 re-grouped sets (what ``python -m ray_jobs.data`` runs).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -58,9 +59,7 @@ class Dataset:
 
 def _column(table: pa.Table, name: str, flag: str) -> pa.ChunkedArray:
     if name not in table.column_names:
-        raise ValueError(
-            f"column {name!r} ({flag}) is missing; the data has columns: {', '.join(table.column_names)}"
-        )
+        raise ValueError(f"column {name!r} ({flag}) is missing; the data has columns: {', '.join(table.column_names)}")
     column = table.column(name)
     if column.null_count:
         raise ValueError(f"column {name!r} has {column.null_count} null rows; every row needs a value")
@@ -69,8 +68,9 @@ def _column(table: pa.Table, name: str, flag: str) -> pa.ChunkedArray:
 
 def fixed_width(column: pa.ChunkedArray, name: str) -> np.ndarray:
     """A list-of-floats column as an (n, width) float32 array; ragged rows are an error."""
-    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)
-            or pa.types.is_fixed_size_list(column.type)):
+    if not (
+        pa.types.is_list(column.type) or pa.types.is_large_list(column.type) or pa.types.is_fixed_size_list(column.type)
+    ):
         raise ValueError(f"column {name!r} must be a list of floats per row, got {column.type}")
     array = column.combine_chunks()
     if pa.types.is_fixed_size_list(array.type):
@@ -124,21 +124,30 @@ def table_to_dataset(
             f"got {target.type}"
         )
     if task == "classification" and kind != "integer":
-        raise ValueError(f"--task classification needs an integer column of class labels; column "
-                         f"{target_column!r} holds {target.type}")
+        raise ValueError(
+            f"--task classification needs an integer column of class labels; column "
+            f"{target_column!r} holds {target.type}"
+        )
     if task == "classification" or (task == "auto" and kind == "integer"):
         return _classification(features, target, target_column, task, num_classes, stored_classes)
     if num_classes is not None:
-        raise ValueError(f"--num-classes applies to classification; column {target_column!r} ({target.type}) "
-                         "is trained as regression")
+        raise ValueError(
+            f"--num-classes applies to classification; column {target_column!r} ({target.type}) "
+            "is trained as regression"
+        )
     if kind == "list":
         targets = fixed_width(target, target_column)
         reason = f"column {target_column!r} holds lists of numbers"
     else:  # one number per row: a target of width 1
-        targets = fixed_width(pa.chunked_array([pa.FixedSizeListArray.from_arrays(
-            target.combine_chunks().cast(pa.float32()), 1)]), target_column)
-        reason = f"--task regression on the numbers of column {target_column!r}" if task == "regression" else \
-            f"column {target_column!r} holds floats"
+        targets = fixed_width(
+            pa.chunked_array([pa.FixedSizeListArray.from_arrays(target.combine_chunks().cast(pa.float32()), 1)]),
+            target_column,
+        )
+        reason = (
+            f"--task regression on the numbers of column {target_column!r}"
+            if task == "regression"
+            else f"column {target_column!r} holds floats"
+        )
     return Dataset(features, targets, "regression", reason=reason)
 
 
@@ -152,14 +161,22 @@ def _target_kind(kind: pa.DataType) -> str | None:
     return None
 
 
-def _classification(features: np.ndarray, target: pa.ChunkedArray, name: str, task: str,
-                    num_classes: int | None, stored_classes: int | None) -> Dataset:
+def _classification(
+    features: np.ndarray,
+    target: pa.ChunkedArray,
+    name: str,
+    task: str,
+    num_classes: int | None,
+    stored_classes: int | None,
+) -> Dataset:
     labels = np.asarray(target.to_numpy(), dtype=np.int64)
     if labels.min() < 0:
         raise ValueError(f"column {name!r} has negative class labels; labels must be 0..K-1")
     if num_classes is not None and stored_classes is not None and num_classes != stored_classes:
-        raise ValueError(f"--num-classes {num_classes} disagrees with the data's raypar.num_classes "
-                         f"{stored_classes}; drop the flag or fix the files' metadata")
+        raise ValueError(
+            f"--num-classes {num_classes} disagrees with the data's raypar.num_classes "
+            f"{stored_classes}; drop the flag or fix the files' metadata"
+        )
     if num_classes is not None:
         classes, source = num_classes, "--num-classes"
     elif stored_classes is not None:
@@ -172,8 +189,13 @@ def _classification(features: np.ndarray, target: pa.ChunkedArray, name: str, ta
     return Dataset(features, labels, "classification", classes, f"{why}; {classes} classes from {source}")
 
 
-def read_dataset(path: str, feature_column: str = "features", target_column: str = "target",
-                 task: str = "auto", num_classes: int | None = None) -> Dataset:
+def read_dataset(
+    path: str,
+    feature_column: str = "features",
+    target_column: str = "target",
+    task: str = "auto",
+    num_classes: int | None = None,
+) -> Dataset:
     """Read a Parquet file or directory (local or URI) and validate it."""
     filesystem, fs_path = resolve(path)
     if filesystem.get_file_info(fs_path).type == pafs.FileType.NotFound:
@@ -194,8 +216,9 @@ def parquet_files(filesystem: pafs.FileSystem, path: str) -> list[str]:
     if filesystem.get_file_info(path).type != pafs.FileType.Directory:
         return [path]
     infos = filesystem.get_file_info(pafs.FileSelector(path, recursive=True))
-    return sorted(info.path for info in infos if info.type == pafs.FileType.File
-                  and not info.base_name.startswith((".", "_")))
+    return sorted(
+        info.path for info in infos if info.type == pafs.FileType.File and not info.base_name.startswith((".", "_"))
+    )
 
 
 def stored_num_classes(filesystem: pafs.FileSystem, files: list[str]) -> int | None:
@@ -207,14 +230,14 @@ def stored_num_classes(filesystem: pafs.FileSystem, files: list[str]) -> int | N
             stated[file] = int(value)
     if len(set(stated.values())) > 1:
         first, *_, other = sorted(stated.items(), key=lambda item: item[1])
-        raise ValueError(f"the data's files disagree on raypar.num_classes: {first[0]} says {first[1]}, "
-                         f"{other[0]} says {other[1]}; give them one value, or state --num-classes")
+        raise ValueError(
+            f"the data's files disagree on raypar.num_classes: {first[0]} says {first[1]}, "
+            f"{other[0]} says {other[1]}; give them one value, or state --num-classes"
+        )
     return next(iter(stated.values()), None)
 
 
-def synthesize(
-    rows: int, in_features: int, out_features: int, task: str = "regression", seed: int = 0
-) -> pa.Table:
+def synthesize(rows: int, in_features: int, out_features: int, task: str = "regression", seed: int = 0) -> pa.Table:
     """The tutorials' random inputs, with targets from a known linear map so there is something to learn."""
     if task not in TASKS:
         raise ValueError(f"--task {task!r} is unknown; valid: {', '.join(TASKS)}")
@@ -257,7 +280,7 @@ def reshard(source: str, out: str, row_group_rows: int) -> int:
     files = parquet_files(filesystem, path)
     total = 0
     for file in files:
-        target = out_path if len(files) == 1 and file == path else f"{out_path}/{file[len(path):].lstrip('/')}"
+        target = out_path if len(files) == 1 and file == path else f"{out_path}/{file[len(path) :].lstrip('/')}"
         out_fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
         reader = pq.ParquetFile(file, filesystem=filesystem)
         with pq.ParquetWriter(target, reader.schema_arrow, filesystem=out_fs) as writer:

@@ -5,6 +5,7 @@ A URI may carry pyarrow's options as a query (``s3://bucket/runs?endpoint_overri
 is a URI resolved once on the driver: its filesystem pickles with those options, so a Ray worker
 reaches the same place whatever its own environment (``AWS_ENDPOINT_URL`` included).
 """
+
 from __future__ import annotations
 
 import os
@@ -97,8 +98,9 @@ def check_writable(uri: str) -> None:
         filesystem, path = resolve(probe)
         filesystem.delete_file(path)
     except OSError as error:
-        raise ValueError(f"--storage-path {without_query(uri)} is not writable "
-                         f"({str(error).splitlines()[0]})") from None
+        raise ValueError(
+            f"--storage-path {without_query(uri)} is not writable ({str(error).splitlines()[0]})"
+        ) from None
 
 
 def list_dir(target: Target) -> list[str]:

@@ -12,6 +12,7 @@ Workers address rows by *stream index* ``epoch * num_rows + position``, the posi
 epoch's order: global batches and their slices are cut from it exactly as from ``epoch_order``
 in memory, and a source turns indices into rows (``MemorySource``, ``StreamSource``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -113,8 +114,15 @@ def _metadata(filesystem: pafs.FileSystem, file: str) -> pq.FileMetaData:
         raise ValueError(f"--data {file}: not readable as Parquet ({str(error).splitlines()[0]})") from None
 
 
-def plan_stream(path: str, feature_column: str, target_column: str, task: str, num_classes: int | None,
-                window_rows: int, footers: Footers | None = None) -> StreamDataset:
+def plan_stream(
+    path: str,
+    feature_column: str,
+    target_column: str,
+    task: str,
+    num_classes: int | None,
+    window_rows: int,
+    footers: Footers | None = None,
+) -> StreamDataset:
     """Everything the metadata can tell, checked before any Ray resource is asked for; ``footers``:
     the files' footers when already read."""
     footers = footers or read_footers(path)
@@ -131,15 +139,23 @@ def plan_stream(path: str, feature_column: str, target_column: str, task: str, n
         if first_schema is None:
             first_schema = (file, mine)
         elif mine != first_schema[1]:
-            raise ValueError(f"--data: the files' schemas differ: {first_schema[0]} has {feature_column}: "
-                             f"{first_schema[1][0]}, {target_column}: {first_schema[1][1]}; {file} has "
-                             f"{feature_column}: {mine[0]}, {target_column}: {mine[1]}")
+            raise ValueError(
+                f"--data: the files' schemas differ: {first_schema[0]} has {feature_column}: "
+                f"{first_schema[1][0]}, {target_column}: {first_schema[1][1]}; {file} has "
+                f"{feature_column}: {mine[0]}, {target_column}: {mine[1]}"
+            )
         for index in range(metadata.num_row_groups):
             group = metadata.row_group(index)
             statistics = _target_statistics(file, index, group, target_column)
-            blocks.append(Block(file, index, group.num_rows,
-                                sum(group.column(c).total_compressed_size for c in range(group.num_columns)),
-                                _label_max(statistics)))
+            blocks.append(
+                Block(
+                    file,
+                    index,
+                    group.num_rows,
+                    sum(group.column(c).total_compressed_size for c in range(group.num_columns)),
+                    _label_max(statistics),
+                )
+            )
             total += group.total_byte_size
     if not any(block.num_rows for block in blocks):
         raise ValueError("the dataset has no rows")
@@ -151,21 +167,43 @@ def plan_stream(path: str, feature_column: str, target_column: str, task: str, n
         sample = decode_block(filesystem, first, feature_column, target_column, task, classes)
     largest = max(block.num_rows for block in blocks)
     if largest > window_rows:
-        warnings.warn(f"--data: a row group of {largest} rows is larger than --shuffle-window-rows {window_rows}, so "
-                      "every window is one row group; raise the window, or rewrite the data with smaller row groups: "
-                      "python -m ray_jobs.data reshard --row-group-rows R", stacklevel=2)
-    return StreamDataset(filesystem, blocks, feature_column, target_column, sample.task, sample.in_features,
-                         sample.out_features, sample.num_classes, sample.reason, total, window_rows)
+        warnings.warn(
+            f"--data: a row group of {largest} rows is larger than --shuffle-window-rows {window_rows}, so "
+            "every window is one row group; raise the window, or rewrite the data with smaller row groups: "
+            "python -m ray_jobs.data reshard --row-group-rows R",
+            stacklevel=2,
+        )
+    return StreamDataset(
+        filesystem,
+        blocks,
+        feature_column,
+        target_column,
+        sample.task,
+        sample.in_features,
+        sample.out_features,
+        sample.num_classes,
+        sample.reason,
+        total,
+        window_rows,
+    )
 
 
 def _target_statistics(file: str, index: int, group, target_column: str):
     """A scalar target column's statistics in this row group (None for a list column, or none
     written); nulls they show are an error found before training."""
-    statistics = next((group.column(c).statistics for c in range(group.num_columns)
-                       if group.column(c).path_in_schema == target_column), None)
+    statistics = next(
+        (
+            group.column(c).statistics
+            for c in range(group.num_columns)
+            if group.column(c).path_in_schema == target_column
+        ),
+        None,
+    )
     if statistics is not None and statistics.has_null_count and statistics.null_count:
-        raise ValueError(f"--data {file} row group {index}: column {target_column!r} has "
-                         f"{statistics.null_count} null rows; every row needs a value")
+        raise ValueError(
+            f"--data {file} row group {index}: column {target_column!r} has "
+            f"{statistics.null_count} null rows; every row needs a value"
+        )
     return statistics
 
 
@@ -184,17 +222,21 @@ def _num_classes(filesystem, files: list[str], blocks: list[Block], sample: Data
         return stored
     unstated = next((block for block in blocks if block.label_max is None), None)
     if unstated is not None:
-        raise ValueError(f"--data {unstated.file} row group {unstated.row_group} has no label statistics: state "
-                         "--num-classes (a stream cannot read every label first)")
+        raise ValueError(
+            f"--data {unstated.file} row group {unstated.row_group} has no label statistics: state "
+            "--num-classes (a stream cannot read every label first)"
+        )
     return max(block.label_max for block in blocks) + 1
 
 
-def decode_block(filesystem, block: Block, feature_column: str, target_column: str, task: str,
-                 num_classes: int | None) -> Dataset:
+def decode_block(
+    filesystem, block: Block, feature_column: str, target_column: str, task: str, num_classes: int | None
+) -> Dataset:
     """One row group, read, validated and decoded; a problem names its file and row group."""
     try:
         table = pq.ParquetFile(block.file, filesystem=filesystem).read_row_group(
-            block.row_group, columns=[feature_column, target_column])
+            block.row_group, columns=[feature_column, target_column]
+        )
         return table_to_dataset(table, feature_column, target_column, task, num_classes)
     except (ValueError, pa.ArrowInvalid) as error:
         raise ValueError(f"--data {block.file} row group {block.row_group}: {error}") from None
@@ -237,8 +279,9 @@ class WindowReader:
         with self.lock:
             if epoch not in self.plans:
                 self.plans = {e: p for e, p in self.plans.items() if e >= epoch - 1}
-                self.plans[epoch] = stream_windows(self.dataset.block_rows, self.seed, epoch, self.shuffle,
-                                                   self.dataset.window_rows)
+                self.plans[epoch] = stream_windows(
+                    self.dataset.block_rows, self.seed, epoch, self.shuffle, self.dataset.window_rows
+                )
             return self.plans[epoch]
 
     def _read(self, epoch: int, index: int):
@@ -258,7 +301,7 @@ class WindowReader:
             if features is None:
                 features = np.empty((num_rows, *decoded.features.shape[1:]), decoded.features.dtype)
                 targets = np.empty((num_rows, *decoded.targets.shape[1:]), decoded.targets.dtype)
-            rows = place[start:start + block.num_rows]
+            rows = place[start : start + block.num_rows]
             features[rows], targets[rows] = decoded.features, decoded.targets
             start += block.num_rows
             self.bytes_read += block.compressed_bytes
@@ -267,14 +310,22 @@ class WindowReader:
     def _decode_block(self, block: Block) -> Dataset:
         dataset = self.dataset
         try:
-            decoded = decode_block(dataset.filesystem, block, dataset.feature_column, dataset.target_column,
-                                   dataset.task, dataset.num_classes)
+            decoded = decode_block(
+                dataset.filesystem,
+                block,
+                dataset.feature_column,
+                dataset.target_column,
+                dataset.task,
+                dataset.num_classes,
+            )
         except ValueError as error:
             raise Failure(str(error)) from None
         if decoded.in_features != dataset.in_features or decoded.out_features != dataset.out_features:
-            raise Failure(f"--data {block.file} row group {block.row_group}: {decoded.in_features} inputs and "
-                          f"{decoded.out_features} outputs; the data's first row group has "
-                          f"{dataset.in_features} and {dataset.out_features}")
+            raise Failure(
+                f"--data {block.file} row group {block.row_group}: {decoded.in_features} inputs and "
+                f"{decoded.out_features} outputs; the data's first row group has "
+                f"{dataset.in_features} and {dataset.out_features}"
+            )
         return decoded
 
 
@@ -310,8 +361,11 @@ def start_reader(dataset: StreamDataset, seed: int, shuffle: bool, num_epochs: i
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return ray.remote(num_cpus=0, max_concurrency=64)(WindowReader).options(scheduling_strategy=here).remote(
-        dataset, seed, shuffle, num_epochs)
+    return (
+        ray.remote(num_cpus=0, max_concurrency=64)(WindowReader)
+        .options(scheduling_strategy=here)
+        .remote(dataset, seed, shuffle, num_epochs)
+    )
 
 
 def window_at(dataset: StreamDataset, seed: int, epoch: int, shuffle: bool, position: int) -> int:
@@ -389,7 +443,7 @@ class StreamSource:
             stop = min(end, int(self.starts[k + 1]))
             features, targets = self._window(k)
             offset = int(self.starts[k])
-            pieces.append((features[start - offset:stop - offset], targets[start - offset:stop - offset]))
+            pieces.append((features[start - offset : stop - offset], targets[start - offset : stop - offset]))
             start = stop
         if len(pieces) == 1:
             return pieces[0]

@@ -21,7 +21,9 @@ class DataParallelScaling:
     """The one worker of a DataParallel run."""
 
     gpus: int = field(default=0, metadata=flag_doc("GPUs the worker holds, all on one node (0: CPU)"))
-    cpus_per_worker: float = field(default=1.0, metadata=flag_doc("CPUs reserved for the worker; also its torch threads"))
+    cpus_per_worker: float = field(
+        default=1.0, metadata=flag_doc("CPUs reserved for the worker; also its torch threads")
+    )
 
     def __post_init__(self) -> None:
         require(self.gpus >= 0, "gpus", self.gpus, "zero or more")

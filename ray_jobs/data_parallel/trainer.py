@@ -3,6 +3,7 @@
 Both run the same worker loop under ``TorchTrainer``; they differ only in worker scaling and in
 how the model is wrapped, which the caller passes in.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -60,11 +61,13 @@ def run_workers(
     cfg = prepared.cfg
     scaling.check(cfg)
     # An elastic run may start on a cluster already short of nodes: only its minimum must fit.
-    num_workers, flag = (scaling.min_workers, "--min-workers") if scaling.elastic else (scaling.num_workers,
-                                                                                        "--num-workers")
+    num_workers, flag = (
+        (scaling.min_workers, "--min-workers") if scaling.elastic else (scaling.num_workers, "--num-workers")
+    )
     bundles = [scaling.resources_per_worker] * num_workers
-    wait_for_bundles(bundles, scaling.placement_strategy, _request(prepared.strategy, flag, num_workers),
-                     cfg.resource_timeout)
+    wait_for_bundles(
+        bundles, scaling.placement_strategy, _request(prepared.strategy, flag, num_workers), cfg.resource_timeout
+    )
     with stream_reader(prepared, latest_progress(prepared.run_dir)) as reader:
         return _fit(prepared, scaling, wrap, reader, faults)
 
@@ -116,8 +119,10 @@ def _fit(prepared: PreparedRun, scaling: WorkerScaling, wrap, reader, faults: Fa
     # The same source resume uses: Ray's result can lack a checkpoint it never registered.
     final = latest_checkpoint(prepared.run_dir)
     metrics = {**(result.metrics or {}), **reader_stats(reader)}
-    extra = {key: metrics.get(key) for key in ("worker_node_ranks", "epoch_seconds", "epoch_steal", "first_step_at",
-                                                "worker_peak_rss_bytes")}
+    extra = {
+        key: metrics.get(key)
+        for key in ("worker_node_ranks", "epoch_seconds", "epoch_steal", "first_step_at", "worker_peak_rss_bytes")
+    }
     # The attempts whose work is in the model, as its last checkpoint recorded them.
     extra["world_sizes"] = final.world_sizes or None
     world_size = final.world_sizes[-1]["num_workers"] if final.world_sizes else scaling.num_workers
@@ -134,8 +139,11 @@ def _process_group(scaling: WorkerScaling) -> TorchConfig:
     shared = gpu_sharing(scaling.num_workers, scaling.resources_per_worker.get("GPU"), largest)
     if not shared:
         return TorchConfig()
-    print(f"[raypar] {shared}; nccl cannot run two ranks on one GPU, so the workers all-reduce over gloo "
-          "(through host memory, slower; --gpus-per-worker 1 gives each its own GPU and nccl)", flush=True)
+    print(
+        f"[raypar] {shared}; nccl cannot run two ranks on one GPU, so the workers all-reduce over gloo "
+        "(through host memory, slower; --gpus-per-worker 1 gives each its own GPU and nccl)",
+        flush=True,
+    )
     return TorchConfig(backend="gloo")
 
 
@@ -190,5 +198,3 @@ def _fit_interruptibly(trainer: TorchTrainer):
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]
-
-

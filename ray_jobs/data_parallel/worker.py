@@ -3,6 +3,7 @@
 The strategy enters only through ``LoopConfig.wrap`` (how the model is wrapped) and through
 which slice of each global batch this worker takes (its world rank).
 """
+
 from __future__ import annotations
 
 import logging
@@ -102,9 +103,18 @@ class _Worker:
     """This rank's view of the run: its shard of every global batch, on its device, and what it
     reports."""
 
-    def __init__(self, loop: LoopConfig, cfg: TrainConfig, dataset, device: torch.device, model: nn.Module,
-                 optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, ctx,
-                 start: TrainState | None) -> None:
+    def __init__(
+        self,
+        loop: LoopConfig,
+        cfg: TrainConfig,
+        dataset,
+        device: torch.device,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler | None,
+        ctx,
+        start: TrainState | None,
+    ) -> None:
         self.loop, self.cfg, self.dataset, self.device = loop, cfg, dataset, device
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.wrapped = loop.wrap(model, device, cfg.precision)
@@ -121,12 +131,18 @@ class _Worker:
         self.log = TrainLog(loop.run_dir) if self.world_rank == 0 else None  # TensorBoard: world rank 0's
         mine = (ray.get_runtime_context().get_node_id(), ctx.get_node_rank())
         nodes, node_ranks = (list(column) for column in zip(*_gather(mine, self.world_size)))
-        attempt = {"num_workers": self.world_size, "epoch": start.epochs_completed if start else 0,
-                   "step": start.step if start else 0}
-        self.report = {"worker_nodes": nodes, "worker_node_ranks": node_ranks,
-                       "resumed_from_epoch": start.epochs_completed if start else None,
-                       "resumed_from_step": start.step if start else None,
-                       "world_sizes": (list(start.world_sizes) if start else []) + [attempt]}
+        attempt = {
+            "num_workers": self.world_size,
+            "epoch": start.epochs_completed if start else 0,
+            "step": start.step if start else 0,
+        }
+        self.report = {
+            "worker_nodes": nodes,
+            "worker_node_ranks": node_ranks,
+            "resumed_from_epoch": start.epochs_completed if start else None,
+            "resumed_from_step": start.step if start else None,
+            "world_sizes": (list(start.world_sizes) if start else []) + [attempt],
+        }
 
     def run_epoch(self, epoch: int, first_step: int, done: list[float]) -> list[float] | None:
         """Train epoch ``epoch`` from global batch ``first_step`` (``done``: the losses of the steps
@@ -140,12 +156,20 @@ class _Worker:
             self.first_step_at = time.time()
         mine = (self.source.rows(shard(batch, self.world_size, self.world_rank)) for batch in batches[first_step:])
         for index, (features, targets) in enumerate(prefetched(mine, self.device)):
-            step_losses[index] = train_step(self.wrapped, self.optimizer, self.loss_fn, features, targets,
-                                            weight, precision=cfg.precision, scaler=self.scaler)
+            step_losses[index] = train_step(
+                self.wrapped,
+                self.optimizer,
+                self.loss_fn,
+                features,
+                targets,
+                weight,
+                precision=cfg.precision,
+                scaler=self.scaler,
+            )
             step = first_step + index + 1
             self.loop.faults.worker_step_done(epoch, step, self.resumed, self.world_rank)
             if every and step % every == 0 and step < len(batches):
-                so_far = done + _mean_over_workers(step_losses[:index + 1].clone(), self.world_size).cpu().tolist()
+                so_far = done + _mean_over_workers(step_losses[: index + 1].clone(), self.world_size).cpu().tolist()
                 self.checkpoint(epoch, step, so_far)
         # One collective per epoch: every rank sees the same global losses and so stops together.
         losses = _mean_over_workers(step_losses, self.world_size).cpu().tolist()
@@ -165,18 +189,30 @@ class _Worker:
         validation = self.validate()
         self.epoch_seconds.append(seconds)
         self.epoch_steal.append(steal)
-        self.report.update(epoch=epoch, loss=self.losses[-1], epochs_completed=epoch + 1,
-                           epoch_seconds=list(self.epoch_seconds), epoch_steal=list(self.epoch_steal),
-                           samples_per_second=self.num_samples / sum(self.epoch_seconds),
-                           data_wait_fraction=self.source.wait_s / sum(self.epoch_seconds),
-                           first_step_at=self.first_step_at,
-                           worker_peak_rss_bytes=_gather(peak_rss_bytes(), self.world_size))
+        self.report.update(
+            epoch=epoch,
+            loss=self.losses[-1],
+            epochs_completed=epoch + 1,
+            epoch_seconds=list(self.epoch_seconds),
+            epoch_steal=list(self.epoch_steal),
+            samples_per_second=self.num_samples / sum(self.epoch_seconds),
+            data_wait_fraction=self.source.wait_s / sum(self.epoch_seconds),
+            first_step_at=self.first_step_at,
+            worker_peak_rss_bytes=_gather(peak_rss_bytes(), self.world_size),
+        )
         if self.world_rank == 0:
-            print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {self.losses[-1]:.6f}{progress(validation)}",
-                  flush=True)
+            print(
+                f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {self.losses[-1]:.6f}{progress(validation)}", flush=True
+            )
         if self.log is not None:
-            self.log.epoch(epoch, step_losses, self.losses[-1], validation, self.epoch_samples / seconds,
-                           self.optimizer.param_groups[0]["lr"])
+            self.log.epoch(
+                epoch,
+                step_losses,
+                self.losses[-1],
+                validation,
+                self.epoch_samples / seconds,
+                self.optimizer.param_groups[0]["lr"],
+            )
         if (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs:
             self.checkpoint(epoch + 1, 0, [])
         else:
@@ -188,8 +224,9 @@ class _Worker:
         if self.val is None:
             return None
         mine = chunk_sums(self.model, self.val, my_chunks(self.val, self.world_rank, self.world_size), self.device)
-        result = combine({chunk: sums for part in _gather(mine, self.world_size) for chunk, sums in part.items()},
-                         self.val)
+        result = combine(
+            {chunk: sums for part in _gather(mine, self.world_size) for chunk, sums in part.items()}, self.val
+        )
         self.val_losses.append(result.loss)
         self.val_accuracy.append(result.accuracy)
         if self.world_rank == 0 and is_best(self.val_losses):
@@ -206,16 +243,31 @@ class _Worker:
         state = None
         if self.world_rank == 0:
             # No copy: the checkpoint is written before the next step changes these tensors.
-            state = TrainState(self.weights(), named_optimizer_state(self.optimizer, dict(self.model.named_parameters())),
-                               epochs_completed, list(self.losses), rngs, step, step_losses,
-                               world_sizes=self.report["world_sizes"],
-                               scaler=self.scaler.state_dict() if self.scaler else None,
-                               val_losses=list(self.val_losses), val_accuracy=list(self.val_accuracy))
+            state = TrainState(
+                self.weights(),
+                named_optimizer_state(self.optimizer, dict(self.model.named_parameters())),
+                epochs_completed,
+                list(self.losses),
+                rngs,
+                step,
+                step_losses,
+                world_sizes=self.report["world_sizes"],
+                scaler=self.scaler.state_dict() if self.scaler else None,
+                val_losses=list(self.val_losses),
+                val_accuracy=list(self.val_accuracy),
+            )
         _report({**self.report, "step": step}, state)
 
 
-def _restore(run_dir: storage.Location, model: nn.Module, optimizer: torch.optim.Optimizer,
-             scaler: torch.amp.GradScaler | None, seed: int, world_rank: int, world_size: int) -> TrainState | None:
+def _restore(
+    run_dir: storage.Location,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    seed: int,
+    world_rank: int,
+    world_size: int,
+) -> TrainState | None:
     state = latest_checkpoint(run_dir)
     if state is None:
         return None
@@ -234,8 +286,11 @@ def _report(metrics: dict[str, Any], state: TrainState | None) -> None:
     with tempfile.TemporaryDirectory(prefix="raypar-ckpt-") as directory:
         write_checkpoint(directory, state)
         # Named by progress: resume and model.pt take the checkpoint with the most work done.
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory),
-                         checkpoint_dir_name=checkpoint_name(state.epochs_completed, state.step))
+        ray.train.report(
+            metrics,
+            checkpoint=ray.train.Checkpoint.from_directory(directory),
+            checkpoint_dir_name=checkpoint_name(state.epochs_completed, state.step),
+        )
 
 
 def _mean_over_workers(value: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -259,4 +314,3 @@ def _quiet_report_logs() -> None:
     from ray.train.v2._internal.execution import context
 
     logging.getLogger(context.__file__).setLevel(logging.WARNING)
-

@@ -13,7 +13,9 @@ from torch import nn
 from ray_jobs.core.step import autocast
 
 
-def wrap_ddp(model: nn.Module, device: torch.device, precision: str = "fp32", sync_batchnorm: bool = False) -> nn.Module:
+def wrap_ddp(
+    model: nn.Module, device: torch.device, precision: str = "fp32", sync_batchnorm: bool = False
+) -> nn.Module:
     """Move to the worker's device and wrap in DDP (a no-op wrap for a single worker); autocast
     is the train step's (``precision``: every wrap takes it, DataParallel needs it)."""
     if sync_batchnorm:

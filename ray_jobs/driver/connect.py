@@ -1,4 +1,5 @@
 """Connecting to Ray: join the cluster a job was submitted to, or start a local one."""
+
 from __future__ import annotations
 
 import os
@@ -64,16 +65,20 @@ def _named(address: str | None) -> str:
 def resolve(address: str, what: str) -> str:
     """``auto``: the cluster ``ray start`` recorded on this machine; anything else as given."""
     if address.startswith(("http://", "https://")):
-        raise ValueError(f"{what} is a dashboard (job API) address, which `ray job submit --address` takes; "
-                         "a job joins the cluster's GCS: host:6379, or ray://host:10001")
+        raise ValueError(
+            f"{what} is a dashboard (job API) address, which `ray job submit --address` takes; "
+            "a job joins the cluster's GCS: host:6379, or ray://host:10001"
+        )
     if address != "auto":
         return address
     from ray._private.utils import get_ray_address_file, read_ray_address
 
     recorded = read_ray_address()
     if not recorded:
-        raise ValueError(f"{what}: no Ray cluster is running on this machine (`ray start --head` records one "
-                         f"in {get_ray_address_file(None)}); start one, or drop --address to start a local Ray")
+        raise ValueError(
+            f"{what}: no Ray cluster is running on this machine (`ray start --head` records one "
+            f"in {get_ray_address_file(None)}); start one, or drop --address to start a local Ray"
+        )
     return recorded
 
 
@@ -89,8 +94,10 @@ def probe(address: str, what: str, recorded: bool = False, timeout_s: float = PR
         reason = error.strerror or type(error).__name__
     stale = " (the recorded head is gone: start it again with `ray start --head`)" if recorded else ""
     drop = "unset RAY_ADDRESS" if what.startswith("RAY_ADDRESS") else "drop --address"
-    raise ValueError(f"{what}: no Ray cluster answers there ({reason}){stale}; check the address and that the "
-                     f"head node is up (`ray status --address ...`), or {drop} to start a local Ray")
+    raise ValueError(
+        f"{what}: no Ray cluster answers there ({reason}){stale}; check the address and that the "
+        f"head node is up (`ray status --address ...`), or {drop} to start a local Ray"
+    )
 
 
 def _join(address: str, what: str) -> None:
@@ -113,8 +120,10 @@ def _join(address: str, what: str) -> None:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(f"{what}: could not join the Ray cluster there: {first}")
     if not outcome:
-        raise ValueError(f"{what}: the port answers but no Ray cluster joined within {JOIN_TIMEOUT_S:g} s; "
-                         "is it the cluster's GCS port (6379 by default, not the dashboard's 8265)?")
+        raise ValueError(
+            f"{what}: the port answers but no Ray cluster joined within {JOIN_TIMEOUT_S:g} s; "
+            "is it the cluster's GCS port (6379 by default, not the dashboard's 8265)?"
+        )
 
 
 def start_local(**init_options: Any) -> str:
@@ -131,8 +140,13 @@ def start_local(**init_options: Any) -> str:
     try:
         # "local": a plain ray.init() would join whatever /tmp/ray/ray_current_cluster names, and
         # hang for as long as that head is gone (measured: over 8 minutes, silent).
-        ray.init(address="local", dashboard_host="127.0.0.1", dashboard_port=int(url.rsplit(":", 1)[1]),
-                 log_to_driver=True, **init_options)
+        ray.init(
+            address="local",
+            dashboard_host="127.0.0.1",
+            dashboard_port=int(url.rsplit(":", 1)[1]),
+            log_to_driver=True,
+            **init_options,
+        )
     finally:
         if previous is None:
             os.environ.pop(API_SERVER_VARIABLE)

@@ -3,6 +3,7 @@
 User errors found before training end as one ``error:`` line and exit status 2; a run that fails
 as one line naming its root cause and 1; a finished run re-run with its own settings says so, 0.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,7 @@ def entry_point(
     parser = ArgumentParser(prog=f"python -m ray_jobs.{strategy}", description=description)
     add_flags(parser, TrainConfig)
     add_flags(parser, scaling_cls, "placement")
-    flag_group(parser, "placement").add_argument(
-        "--address", default=None, help=ADDRESS_HELP)
+    flag_group(parser, "placement").add_argument("--address", default=None, help=ADDRESS_HELP)
     args = parser.parse_args(argv)
     try:
         cfg, scaling = from_args(TrainConfig, args), from_args(scaling_cls, args)
@@ -60,8 +60,12 @@ def entry_point(
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted: stopping the run's workers; the latest checkpoint is kept and "
-              "a re-run with the same --name resumes", file=sys.stderr, flush=True)
+        print(
+            "interrupted: stopping the run's workers; the latest checkpoint is kept and "
+            "a re-run with the same --name resumes",
+            file=sys.stderr,
+            flush=True,
+        )
         # Disconnecting the driver makes Ray end every actor it owns: the Train controller
         # and its workers, or the pipeline's stages (and a local cluster started here).
         ray.shutdown()

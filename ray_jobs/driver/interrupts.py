@@ -4,6 +4,7 @@ The run goes on a helper thread; the signal handlers only set ``STOP``. Strategi
 ``check()`` where stopping is safe (between batches, while waiting on Ray Train), so no
 exception lands inside a Ray call that is half done (which can crash a compiled graph).
 """
+
 from __future__ import annotations
 
 import signal

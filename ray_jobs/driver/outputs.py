@@ -1,6 +1,7 @@
 """A finished run's outputs, the same for every strategy: ``model.pt`` (the unsplit
 ``state_dict``) and ``summary.json``, written by the driver into the run directory.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -22,8 +23,12 @@ def model_record(cfg: TrainConfig, dataset: Dataset | StreamDataset) -> dict[str
     """``summary.json``'s ``model``: the model (a registered name or ``module.path:callable``), the
     data's widths and the model's options, so ``models.build_model(**record)`` rebuilds ``model.pt``'s
     architecture from the summary alone."""
-    return {"name": cfg.model, "in_features": dataset.in_features, "out_features": dataset.out_features,
-            **cfg.model_options}
+    return {
+        "name": cfg.model,
+        "in_features": dataset.in_features,
+        "out_features": dataset.out_features,
+        **cfg.model_options,
+    }
 
 
 def finish(
@@ -65,5 +70,8 @@ def validation_summary(prepared: PreparedRun, final: TrainState) -> dict[str, An
     if prepared.val_dataset is None:
         return {}
     classification = prepared.val_dataset.task == "classification"
-    return {"val_losses": list(final.val_losses), "val_accuracy": list(final.val_accuracy) if classification else None,
-            "best_epoch": best_epoch(final.val_losses)}
+    return {
+        "val_losses": list(final.val_losses),
+        "val_accuracy": list(final.val_accuracy) if classification else None,
+        "best_epoch": best_epoch(final.val_losses),
+    }

@@ -4,6 +4,7 @@ memory or as a stream's plan), the model and its initial weights, the run direct
 Checked here, in the user's process, so bad input costs a second and leaves nothing in the run
 directory. ``PreparedRun`` is what every strategy is handed.
 """
+
 from __future__ import annotations
 
 import sys
@@ -58,8 +59,9 @@ def load_data(cfg: TrainConfig) -> Dataset | StreamDataset:
     mode, why, footers = ingest_mode(cfg)
     print(f"[raypar] ingest: {mode} ({why})", flush=True)
     if mode == "stream":
-        return plan_stream(cfg.data, cfg.feature_column, cfg.target_column, cfg.task, cfg.num_classes,
-                           cfg.shuffle_window_rows, footers)
+        return plan_stream(
+            cfg.data, cfg.feature_column, cfg.target_column, cfg.task, cfg.num_classes, cfg.shuffle_window_rows, footers
+        )
     return read_dataset(cfg.data, cfg.feature_column, cfg.target_column, cfg.task, cfg.num_classes)
 
 
@@ -67,8 +69,9 @@ def load_val_data(cfg: TrainConfig, train: Dataset | StreamDataset) -> Dataset |
     """``--val-data`` as ``--ingest`` decides for it (``auto``: by its own size); says which and why."""
     mode, why, footers = ingest_mode(cfg, cfg.val_data, "--val-data")
     print(f"[raypar] validation ingest: {mode} ({why})", flush=True)
-    return read_val_data(cfg.val_data, cfg.feature_column, cfg.target_column, train, stream=mode == "stream",
-                         footers=footers)
+    return read_val_data(
+        cfg.val_data, cfg.feature_column, cfg.target_column, train, stream=mode == "stream", footers=footers
+    )
 
 
 def ingest_mode(cfg: TrainConfig, path: str | None = None, flag: str = "--data") -> tuple[str, str, Footers | None]:
@@ -81,9 +84,12 @@ def ingest_mode(cfg: TrainConfig, path: str | None = None, flag: str = "--data")
         raise ValueError(str(error).replace("--data", flag, 1)) from None
     size, limit = footers.uncompressed_bytes, cfg.memory_ingest_limit_mb * 2**20
     relation = "at most" if size <= limit else "over"
-    return ("memory" if size <= limit else "stream",
-            f"the data is {size / 2**20:,.1f} MiB uncompressed, {relation} --memory-ingest-limit-mb "
-            f"{cfg.memory_ingest_limit_mb:g}", footers)
+    return (
+        "memory" if size <= limit else "stream",
+        f"the data is {size / 2**20:,.1f} MiB uncompressed, {relation} --memory-ingest-limit-mb "
+        f"{cfg.memory_ingest_limit_mb:g}",
+        footers,
+    )
 
 
 def prepare(cfg: TrainConfig, strategy: str) -> PreparedRun:

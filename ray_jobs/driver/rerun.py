@@ -7,6 +7,7 @@ ones while the summary recorded the new. ``--epochs`` may change to any count no
 epochs completed. Operational flags (retries, timeouts, checkpoint cadence, placement, worker or
 stage counts, which the training contract makes equivalent, ``--address``) are free.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,15 +21,43 @@ from ray_jobs.data import storage
 
 RUN_FILE = "run.json"
 # TrainConfig's fields by what a re-run may do with them (a test checks every field is here).
-FIXED = ("data", "feature_column", "target_column", "task", "num_classes", "val_data", "model", "model_option", "hidden",
-         "depth", "dropout", "init_from", "batch_size", "lr", "optimizer", "momentum", "weight_decay", "seed", "shuffle",
-         "precision",
-         # val_data: the validation history and best_model.pt must come from one set;
-         # the two ingest modes visit rows in different orders (contracts v1 and v2)
-         "ingest", "memory_ingest_limit_mb", "shuffle_window_rows")
+FIXED = (
+    "data",
+    "feature_column",
+    "target_column",
+    "task",
+    "num_classes",
+    "val_data",
+    "model",
+    "model_option",
+    "hidden",
+    "depth",
+    "dropout",
+    "init_from",
+    "batch_size",
+    "lr",
+    "optimizer",
+    "momentum",
+    "weight_decay",
+    "seed",
+    "shuffle",
+    "precision",
+    # val_data: the validation history and best_model.pt must come from one set;
+    # the two ingest modes visit rows in different orders (contracts v1 and v2)
+    "ingest",
+    "memory_ingest_limit_mb",
+    "shuffle_window_rows",
+)
 GROWABLE = ("epochs",)
-OPERATIONAL = ("checkpoint_every", "checkpoint_every_steps", "num_checkpoints_to_keep", "storage_path", "name",
-               "max_failures", "resource_timeout")
+OPERATIONAL = (
+    "checkpoint_every",
+    "checkpoint_every_steps",
+    "num_checkpoints_to_keep",
+    "storage_path",
+    "name",
+    "max_failures",
+    "resource_timeout",
+)
 
 
 class AlreadyComplete(Exception):
@@ -55,29 +84,39 @@ def check_rerun(cfg: TrainConfig, name: str, run_dir: str) -> int:
         stored, now = json.loads(storage.read_bytes(record))["settings"], fixed_settings(cfg)
         changed = [key for key in FIXED if stored.get(key) != now[key]]
         if changed:
-            differences = ", ".join(f"--{key.replace('_', '-')} {_value(stored.get(key))} -> {_value(now[key])}"
-                                    for key in changed)
-            raise ValueError(f"run {name!r} was started with other settings: {differences}. Re-run it with "
-                             f"its own, or train on from its weights under a new name: --init-from "
-                             f"{_weights(run_dir, progress[0])} --name NEW_NAME")
+            differences = ", ".join(
+                f"--{key.replace('_', '-')} {_value(stored.get(key))} -> {_value(now[key])}" for key in changed
+            )
+            raise ValueError(
+                f"run {name!r} was started with other settings: {differences}. Re-run it with "
+                f"its own, or train on from its weights under a new name: --init-from "
+                f"{_weights(run_dir, progress[0])} --name NEW_NAME"
+            )
     else:
-        print(f"[raypar] run {name!r} has checkpoints but no {RUN_FILE} (an older raypar wrote it): its "
-              "settings cannot be compared with these flags", file=sys.stderr, flush=True)
+        print(
+            f"[raypar] run {name!r} has checkpoints but no {RUN_FILE} (an older raypar wrote it): its "
+            "settings cannot be compared with these flags",
+            file=sys.stderr,
+            flush=True,
+        )
     completed = progress[0]
     if cfg.epochs < completed:
-        raise ValueError(f"--epochs {cfg.epochs} is fewer than the {completed} epochs run {name!r} has completed; "
-                         f"its model after {completed} epochs is {_weights(run_dir, completed)}")
+        raise ValueError(
+            f"--epochs {cfg.epochs} is fewer than the {completed} epochs run {name!r} has completed; "
+            f"its model after {completed} epochs is {_weights(run_dir, completed)}"
+        )
     if cfg.epochs == completed and progress[1] == 0 and _finished(run_dir):
-        raise AlreadyComplete(f"run {name!r} is already complete ({completed} of {cfg.epochs} epochs): "
-                              f"{storage.without_query(storage.join(run_dir, 'summary.json'))}; "
-                              "raise --epochs to train it further")
+        raise AlreadyComplete(
+            f"run {name!r} is already complete ({completed} of {cfg.epochs} epochs): "
+            f"{storage.without_query(storage.join(run_dir, 'summary.json'))}; "
+            "raise --epochs to train it further"
+        )
     return completed
 
 
 def record_settings(cfg: TrainConfig, strategy: str, run_dir: str) -> None:
     """Store the run's settings (a new run's, or a checked re-run's, whose only change can be --epochs)."""
-    record = {"settings": fixed_settings(cfg), "epochs": cfg.epochs, "strategy": strategy,
-              "config": asdict(cfg)}
+    record = {"settings": fixed_settings(cfg), "epochs": cfg.epochs, "strategy": strategy, "config": asdict(cfg)}
     storage.write_bytes(storage.join(run_dir, RUN_FILE), json.dumps(record, indent=2).encode())
 
 

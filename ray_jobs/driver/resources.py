@@ -1,4 +1,5 @@
 """Compare what a job asks for with what the cluster has, before anything waits on it."""
+
 from __future__ import annotations
 
 import time
@@ -55,8 +56,9 @@ def _total_hint(request: Request, key: str, value: float, total: float) -> str:
     return " or ".join(options + ["add nodes"])
 
 
-def check_bundles(bundles: list[dict[str, float]], strategy: str, request: Request,
-                  nodes: list[dict[str, float]] | None = None) -> None:
+def check_bundles(
+    bundles: list[dict[str, float]], strategy: str, request: Request, nodes: list[dict[str, float]] | None = None
+) -> None:
     """Fail at once when ``bundles`` cannot be placed with ``strategy`` on the current nodes (each
     a dict of resources; default: the cluster's live nodes), naming the flag that would fix it.
 
@@ -75,7 +77,7 @@ def check_bundles(bundles: list[dict[str, float]], strategy: str, request: Reque
             asked[key] = asked.get(key, 0.0) + value
     for key, value in asked.items():
         if totals.get(key, 0.0) + 1e-9 < value:
-            have = {k: v for k, v in totals.items() if k in ('CPU', 'GPU', *asked)}
+            have = {k: v for k, v in totals.items() if k in ("CPU", "GPU", *asked)}
             raise ResourceError(
                 f"{what} asks for {value:g} {key} in all; the cluster has {totals.get(key, 0.0):g} {key} "
                 f"({len(nodes)} node(s): {_fmt(have)}): {_total_hint(request, key, value, totals.get(key, 0.0))}"
@@ -84,10 +86,14 @@ def check_bundles(bundles: list[dict[str, float]], strategy: str, request: Reque
     if bundles and min(fits) == 0:
         bundle = bundles[fits.index(0)]
         short = [k for k, v in bundle.items() if max((node.get(k, 0.0) for node in nodes), default=0.0) + 1e-9 < v]
-        hints = [f"lower {request.resource_flags.get(k, k)} to at most "
-                 f"{max((node.get(k, 0.0) for node in nodes), default=0.0):g}" for k in short]
-        raise ResourceError(f"{what}: no single node has {_fmt(bundle)} for one of them: "
-                            f"{' and '.join(hints) or 'add a larger node'}")
+        hints = [
+            f"lower {request.resource_flags.get(k, k)} to at most "
+            f"{max((node.get(k, 0.0) for node in nodes), default=0.0):g}"
+            for k in short
+        ]
+        raise ResourceError(
+            f"{what}: no single node has {_fmt(bundle)} for one of them: {' and '.join(hints) or 'add a larger node'}"
+        )
     if strategy == "STRICT_SPREAD" and len(bundles) > len(nodes):
         raise ResourceError(
             f"{what} with STRICT_SPREAD needs {len(bundles)} nodes; the cluster has {len(nodes)}: "
@@ -95,8 +101,10 @@ def check_bundles(bundles: list[dict[str, float]], strategy: str, request: Reque
         )
     if strategy == "STRICT_PACK":
         if not any(all(node.get(k, 0.0) + 1e-9 >= v for k, v in asked.items()) for node in nodes):
-            raise ResourceError(f"{what} with STRICT_PACK needs {_fmt(asked)} on one node; no node has that: "
-                                "use --placement-strategy PACK or add a larger node")
+            raise ResourceError(
+                f"{what} with STRICT_PACK needs {_fmt(asked)} on one node; no node has that: "
+                "use --placement-strategy PACK or add a larger node"
+            )
 
 
 def wait_for_bundles(bundles: list[dict[str, float]], strategy: str, request: Request, timeout_s: float) -> None:
@@ -121,8 +129,11 @@ def wait_for_bundles(bundles: list[dict[str, float]], strategy: str, request: Re
                 return
             except ResourceError as error:
                 if time.monotonic() - last_said >= PROGRESS_EVERY_S:
-                    print(f"[raypar] waiting for the autoscaler ({time.monotonic() - began:.0f}/{timeout_s:.0f} s): "
-                          f"{error}", flush=True)
+                    print(
+                        f"[raypar] waiting for the autoscaler ({time.monotonic() - began:.0f}/{timeout_s:.0f} s): "
+                        f"{error}",
+                        flush=True,
+                    )
                     last_said = time.monotonic()
             time.sleep(1.0)
         raise ResourceError(f"{first_error}; waited {timeout_s:g} s (--resource-timeout) for the autoscaler")
@@ -148,8 +159,13 @@ def _within(bundles: list[dict[str, float]], limits: dict[str, float]) -> bool:
     return all(limits.get(key, 0.0) >= value for key, value in asked.items())
 
 
-def gpu_sharing(num_processes: int, gpus_each: float | None, gpus_per_node: float | None = None,
-                what: str = "--num-workers", flag: str = "--gpus-per-worker") -> str | None:
+def gpu_sharing(
+    num_processes: int,
+    gpus_each: float | None,
+    gpus_per_node: float | None = None,
+    what: str = "--num-workers",
+    flag: str = "--gpus-per-worker",
+) -> str | None:
     """Why ``num_processes`` processes of one run, each asking for ``gpus_each`` GPUs (None: no
     GPU), may find two of them on one device, or None when they cannot. nccl refuses two ranks on
     one device ("Duplicate GPU detected"), so such a run needs gloo between its processes.

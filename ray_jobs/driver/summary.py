@@ -1,4 +1,5 @@
 """``summary.json``: the one result record every strategy writes into its run directory."""
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,11 @@ class TrainSummary:
     def _resumed(self) -> str:
         if self.resumed_from_epoch is None:
             return "-"
-        return f"{self.resumed_from_epoch}, step {self.resumed_from_step}" if self.resumed_from_step else \
-            str(self.resumed_from_epoch)
+        return (
+            f"{self.resumed_from_epoch}, step {self.resumed_from_step}"
+            if self.resumed_from_step
+            else str(self.resumed_from_epoch)
+        )
 
     def _validation_rows(self) -> list[tuple[str, str]]:
         if not self.val_losses:
@@ -69,8 +73,12 @@ class TrainSummary:
             ("samples/s", f"{self.samples_per_second:,.0f}" if self.samples_per_second else "-"),
             ("precision", self.precision),
             ("resumed from epoch", self._resumed()),
-            ("ingest", f"{self.ingest}, data wait {self.data_wait_fraction:.1%}" if self.data_wait_fraction
-             is not None else self.ingest),
+            (
+                "ingest",
+                f"{self.ingest}, data wait {self.data_wait_fraction:.1%}"
+                if self.data_wait_fraction is not None
+                else self.ingest,
+            ),
             ("nodes", len(set(self.worker_nodes or self.extra.get("stage_nodes", [])))),
             ("run directory", self.run_dir),
         ]

@@ -5,6 +5,7 @@ VM it slows a run without any process on the machine showing it, so the loops re
 epoch and the bench per run; a slow epoch with high steal is the host's, not the code's.
 Peak RSS per worker: whether each worker holds its own copy of what one copy would serve.
 """
+
 from __future__ import annotations
 
 import resource

@@ -7,6 +7,7 @@ attempt, flushed at every epoch's end. For a URI run directory (``s3://``) the f
 locally and copied into the run directory after every epoch, since tensorboardX cannot reach
 every store raypar can.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,15 @@ class TrainLog:
         # The name has the time in seconds only: the suffix tells apart attempts within one second.
         self.writer = EventsWriter(os.path.join(self.local, "events"), f".{uuid.uuid4().hex[:8]}")
 
-    def epoch(self, epoch: int, step_losses: list[float], loss: float, validation: Validation | None,
-              samples_per_second: float | None, lr: float) -> None:
+    def epoch(
+        self,
+        epoch: int,
+        step_losses: list[float],
+        loss: float,
+        validation: Validation | None,
+        samples_per_second: float | None,
+        lr: float,
+    ) -> None:
         """Epoch ``epoch``'s (0-based) scalars; its global batches are steps ``epoch * len(step_losses)`` on."""
         every = max(1, len(step_losses) // MAX_STEP_POINTS_PER_EPOCH)
         for step in range(0, len(step_losses), every):

@@ -2,6 +2,7 @@
 each layer's measured time (``--stage-balance time``); every stage built on the meta device,
 so only shapes and names exist until a stage actor builds its own slice.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,8 +15,9 @@ from ray_jobs.core.model_init import make_model
 from ray_jobs.core.step import autocast
 
 
-def meta_stages(cfg: TrainConfig, dataset, num_stages: int, model_factory=None,
-                unit_costs: list[float] | None = None) -> list[torch.nn.Module]:
+def meta_stages(
+    cfg: TrainConfig, dataset, num_stages: int, model_factory=None, unit_costs: list[float] | None = None
+) -> list[torch.nn.Module]:
     """The model cut into stages on the meta device: shapes and names, no memory. ``unit_costs``:
     what the cut balances (``StageCut``), parameter counts when None."""
     with torch.device("meta"):
@@ -23,8 +25,9 @@ def meta_stages(cfg: TrainConfig, dataset, num_stages: int, model_factory=None,
     return split_into_stages(model, num_stages, unit_costs)
 
 
-def stage_keys(cfg: TrainConfig, dataset, num_stages: int, model_factory=None,
-               unit_costs: list[float] | None = None) -> list[set[str]]:
+def stage_keys(
+    cfg: TrainConfig, dataset, num_stages: int, model_factory=None, unit_costs: list[float] | None = None
+) -> list[set[str]]:
     """Each stage's ``state_dict`` keys: what of a full state each stage is sent."""
     return [set(stage.state_dict()) for stage in meta_stages(cfg, dataset, num_stages, model_factory, unit_costs)]
 
@@ -43,15 +46,26 @@ class StageCut:
     """What the cut balances, one per unit (``models.unit_names``); None: parameter counts."""
 
 
-def cut_stages(cfg: TrainConfig, dataset, num_stages: int, model_factory=None,
-               unit_costs: list[float] | None = None) -> StageCut:
+def cut_stages(
+    cfg: TrainConfig, dataset, num_stages: int, model_factory=None, unit_costs: list[float] | None = None
+) -> StageCut:
     stages = meta_stages(cfg, dataset, num_stages, model_factory, unit_costs)
-    return StageCut([set(stage.state_dict()) for stage in stages], [list(dict(stage.named_children())) for stage in stages],
-                    [len(unit_names(stage)) for stage in stages], unit_costs)
+    return StageCut(
+        [set(stage.state_dict()) for stage in stages],
+        [list(dict(stage.named_children())) for stage in stages],
+        [len(unit_names(stage)) for stage in stages],
+        unit_costs,
+    )
 
 
-def measured_unit_costs(cfg: TrainConfig, dataset, initial_state: dict[str, torch.Tensor], num_microbatches: int,
-                        num_threads: int, model_factory=None) -> list[float]:
+def measured_unit_costs(
+    cfg: TrainConfig,
+    dataset,
+    initial_state: dict[str, torch.Tensor],
+    num_microbatches: int,
+    num_threads: int,
+    model_factory=None,
+) -> list[float]:
     """Each unit's forward and backward seconds over one micro-batch, on the driver's CPU with a
     stage's thread count (``--stage-balance time``), with the run's initial weights: the tensors
     the driver already holds, not a second model (only gradients are made, and dropped). Buffers
@@ -59,8 +73,9 @@ def measured_unit_costs(cfg: TrainConfig, dataset, initial_state: dict[str, torc
     with torch.device("meta"):
         model = make_model(cfg, dataset, model_factory)
     buffers = {name for name, _ in model.named_buffers()}
-    model.load_state_dict({key: value.clone() if key in buffers else value for key, value in initial_state.items()},
-                          assign=True)
+    model.load_state_dict(
+        {key: value.clone() if key in buffers else value for key, value in initial_state.items()}, assign=True
+    )
     with torch.random.fork_rng(devices=[]):  # the driver's own draws stay as without the measurement
         sample = torch.randn(cfg.batch_size // num_microbatches, dataset.in_features)
     threads = torch.get_num_threads()

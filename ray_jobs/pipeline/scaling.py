@@ -2,6 +2,7 @@
 the transport, each stage's resources and where they are placed, and how the model is cut;
 checked on the driver before Ray is touched.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -31,35 +32,56 @@ class PipelineScaling:
 
     num_stages: int = field(default=2, metadata=flag_doc("pipeline stages, one Ray actor (and GPU) each", "pipeline"))
     num_microbatches: int = field(default=4, metadata=flag_doc("micro-batches per global batch", "pipeline"))
-    schedule: str = field(default="1f1b", metadata=flag_doc("micro-batch schedule", "pipeline", choices=sorted(SCHEDULES)))
-    use_gpu: bool = field(default=False, metadata=flag_doc("give each stage GPUs (--gpus-per-stage)", default_text="CPU"))
-    gpus_per_stage: float = field(default=1.0, metadata=flag_doc(
-        "GPUs per stage with --use-gpu; a fraction lets small stages share one GPU (then over p2p or actor_calls, "
-        "not nccl)"))
+    schedule: str = field(
+        default="1f1b", metadata=flag_doc("micro-batch schedule", "pipeline", choices=sorted(SCHEDULES))
+    )
+    use_gpu: bool = field(
+        default=False, metadata=flag_doc("give each stage GPUs (--gpus-per-stage)", default_text="CPU")
+    )
+    gpus_per_stage: float = field(
+        default=1.0,
+        metadata=flag_doc(
+            "GPUs per stage with --use-gpu; a fraction lets small stages share one GPU (then over p2p or actor_calls, "
+            "not nccl)"
+        ),
+    )
     cpus_per_stage: float = field(default=1.0, metadata=flag_doc("CPUs per stage actor; also its torch threads"))
     placement_strategy: str = field(
         default="PACK", metadata=flag_doc("PACK keeps neighbouring stages on one node", choices=PLACEMENT_STRATEGIES)
     )
     transport: str = field(
         default="auto",
-        metadata=flag_doc("p2p: torch.distributed (gloo) send/recv between the stages, one actor call per "
-                      "stage per --batches-per-call batches, tensors through host memory; compiled: a Ray Compiled Graph (nccl "
-                      "between GPUs); actor_calls: one actor call per op; auto: compiled for GPU stages on "
-                      "one node, else p2p", "pipeline", choices=TRANSPORTS),
+        metadata=flag_doc(
+            "p2p: torch.distributed (gloo) send/recv between the stages, one actor call per "
+            "stage per --batches-per-call batches, tensors through host memory; compiled: a Ray Compiled Graph (nccl "
+            "between GPUs); actor_calls: one actor call per op; auto: compiled for GPU stages on "
+            "one node, else p2p",
+            "pipeline",
+            choices=TRANSPORTS,
+        ),
     )
 
     batch_timeout_s: float = field(
         default=600.0, metadata=flag_doc("fail the run when one global batch takes longer than this (s)", "pipeline")
     )
-    stage_balance: str = field(default="params", metadata=flag_doc(
-        "how the model is cut: params balances the stages' parameter counts; time times each layer's "
-        "forward and backward on the driver's CPU over one micro-batch and balances that, for layers whose "
-        "compute is out of proportion to their parameters (convolutions)", "pipeline", choices=STAGE_BALANCES))
+    stage_balance: str = field(
+        default="params",
+        metadata=flag_doc(
+            "how the model is cut: params balances the stages' parameter counts; time times each layer's "
+            "forward and backward on the driver's CPU over one micro-batch and balances that, for layers whose "
+            "compute is out of proportion to their parameters (convolutions)",
+            "pipeline",
+            choices=STAGE_BALANCES,
+        ),
+    )
     batches_per_call: int = field(
         default=8,
-        metadata=flag_doc("p2p: global batches per actor call; more removes the dispatch gap between batches, "
-                          "fewer lets Ctrl-C and the batch timeout act sooner (every batch still has its "
-                          "own loss and optimizer step)", "pipeline"),
+        metadata=flag_doc(
+            "p2p: global batches per actor call; more removes the dispatch gap between batches, "
+            "fewer lets Ctrl-C and the batch timeout act sooner (every batch still has its "
+            "own loss and optimizer step)",
+            "pipeline",
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -81,13 +103,17 @@ class PipelineScaling:
         require_divisible(cfg.batch_size, self.num_microbatches, "--num-microbatches")
         require_gpu_for_fp16(cfg, self.use_gpu, "--use-gpu")
         if cfg.precision == "fp16" and self.transport not in ("auto", "p2p"):
-            raise ValueError(f"--precision fp16 on the pipeline needs --transport p2p, not {self.transport}: its "
-                             "stages skip an overflowing step together by agreeing over p2p's process group")
+            raise ValueError(
+                f"--precision fp16 on the pipeline needs --transport p2p, not {self.transport}: its "
+                "stages skip an overflowing step together by agreeing over p2p's process group"
+            )
         shared = self.shared_gpus
         if shared and self.transport == "compiled":
-            raise ValueError(f"--transport compiled cannot connect stages that share a GPU ({shared}; nccl "
-                             "refuses two ranks on one device): use --transport p2p or actor_calls, or "
-                             "--gpus-per-stage 1")
+            raise ValueError(
+                f"--transport compiled cannot connect stages that share a GPU ({shared}; nccl "
+                "refuses two ranks on one device): use --transport p2p or actor_calls, or "
+                "--gpus-per-stage 1"
+            )
         # A registered model's layer count does not depend on the data's widths, so any widths tell
         # whether S fits; a user's model may need its real widths: it is cut once the data is read.
         if not is_user_model(cfg.model):
@@ -102,13 +128,17 @@ class PipelineScaling:
         cfg, dataset, factory = prepared.cfg, prepared.dataset, prepared.model_factory
         if self.stage_balance == "params":
             return cut_stages(cfg, dataset, self.num_stages, factory)
-        seconds = measured_unit_costs(cfg, dataset, prepared.initial_state, self.num_microbatches,
-                                      max(1, int(self.cpus_per_stage)), factory)
+        seconds = measured_unit_costs(
+            cfg, dataset, prepared.initial_state, self.num_microbatches, max(1, int(self.cpus_per_stage)), factory
+        )
         cut = cut_stages(cfg, dataset, self.num_stages, factory, seconds)
         by_params = cut_stages(cfg, dataset, self.num_stages, factory)
-        print(f"[raypar] --stage-balance time: stages of children {' | '.join(map(' '.join, cut.children))}; "
-              f"measured {_stage_ms(cut, seconds)} ms per micro-batch and stage "
-              f"(cut by parameters: {_stage_ms(by_params, seconds)})", flush=True)
+        print(
+            f"[raypar] --stage-balance time: stages of children {' | '.join(map(' '.join, cut.children))}; "
+            f"measured {_stage_ms(cut, seconds)} ms per micro-batch and stage "
+            f"(cut by parameters: {_stage_ms(by_params, seconds)})",
+            flush=True,
+        )
         return cut
 
     @property

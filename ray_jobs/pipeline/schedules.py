@@ -3,6 +3,7 @@
 The pipeline runner only executes these lists; their correctness (every micro-batch forwarded
 and backwarded once per stage, dependencies respected, 1F1B's memory bound) is unit-tested.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -94,8 +95,9 @@ def execution_order(schedules: list[list[Op]]) -> list[tuple[int, Op]]:
     return order
 
 
-def replayed_bubble(schedules: list[list[Op]], op_seconds: list[list[float]],
-                    step_seconds: list[list[float]]) -> float | None:
+def replayed_bubble(
+    schedules: list[list[Op]], op_seconds: list[list[float]], step_seconds: list[list[float]]
+) -> float | None:
     """The bubble ``schedules`` would have with these measured durations and instant transfers:
     what the schedule itself costs with these stages on this machine, before any transport,
     wake-up or dispatch. Unlike the GPipe formula it holds for any schedule, for uneven stages
@@ -120,8 +122,9 @@ def replayed_bubble(schedules: list[list[Op]], op_seconds: list[list[float]],
     return 1.0 - busy / (num_stages * wall) if wall else None
 
 
-def typical_durations(schedules: list[list[Op]], op_seconds: list[list[float]],
-                      step_seconds: list[list[float]]) -> tuple[list[list[float]], list[list[float]]]:
+def typical_durations(
+    schedules: list[list[Op]], op_seconds: list[list[float]], step_seconds: list[list[float]]
+) -> tuple[list[list[float]], list[list[float]]]:
     """The same durations with every stage's forwards, backwards and optimizer steps each set
     to that stage's median: replayed, the bubble of the cut itself (uneven stages, the steps),
     without the jitter of single ops, which ``replayed_bubble`` of the raw durations adds."""

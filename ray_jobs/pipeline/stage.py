@@ -4,6 +4,7 @@ Forward keeps the micro-batch's input and output alive until its backward; the l
 also computes the loss. Gradients accumulate over the micro-batches of a global batch and the
 optimizer steps once per global batch, as in single-process training.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -46,10 +47,12 @@ CALLS = "p2p_calls_s"
 def _described(method):
     """Re-raise a stage's own error as one line naming the stage (CUDA OOM by name); a lost
     peer stays ``PeerLost``, which the driver answers with a restart."""
+
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         with described(f"stage {self.stage_index}", passing=(PeerLost,)):
             return method(self, *args, **kwargs)
+
     return wrapper
 
 
@@ -200,8 +203,13 @@ class StageWorker:
     def join_group(self, address: str, schedule: str, timeout_s: float) -> None:
         """Join the stages' gloo process group; ``timeout_s`` bounds every receive, so a stage
         whose peer died fails instead of waiting for ever."""
-        dist.init_process_group("gloo", init_method=address, rank=self.stage_index, world_size=self.num_stages,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "gloo",
+            init_method=address,
+            rank=self.stage_index,
+            world_size=self.num_stages,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
         self.ops = SCHEDULES[schedule](self.num_stages, self.num_microbatches)[self.stage_index]
         self.receives_ahead = receives_ahead(self.ops)
 
@@ -251,7 +259,9 @@ class StageWorker:
         try:
             return call(*args, **kwargs)
         except RuntimeError as error:
-            raise PeerLost(f"stage {self.stage_index}: {str(error).splitlines()[0] if str(error) else error!r}") from None
+            raise PeerLost(
+                f"stage {self.stage_index}: {str(error).splitlines()[0] if str(error) else error!r}"
+            ) from None
         finally:
             self.timing[timing_key] += time.perf_counter() - began
 
@@ -315,9 +325,16 @@ def mark_overflow(grads: list[torch.Tensor]) -> None:
 
 
 def _new_timing() -> dict[str, float]:
-    return {"compute_s": 0.0, "optimizer_s": 0.0, "receive_wait_s": 0.0, CALLS: 0.0, "data_wait_s": 0.0,
-            "peak_live_microbatches": 0,
-            "op_seconds": [], "step_seconds": []}
+    return {
+        "compute_s": 0.0,
+        "optimizer_s": 0.0,
+        "receive_wait_s": 0.0,
+        CALLS: 0.0,
+        "data_wait_s": 0.0,
+        "peak_live_microbatches": 0,
+        "op_seconds": [],
+        "step_seconds": [],
+    }
 
 
 def receives_ahead(ops: list) -> int:

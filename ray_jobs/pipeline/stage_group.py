@@ -1,4 +1,5 @@
 """The stage actors of one pipeline attempt: placed together, started, probed and removed together."""
+
 from __future__ import annotations
 
 import time
@@ -28,8 +29,14 @@ class StageGroup:
     """One placement-group bundle and one ``StageWorker`` actor per stage, and the transport
     between them. A start that fails removes everything it created before raising."""
 
-    def __init__(self, prepared: PreparedRun, scaling, cut: StageCut, reader=None,
-                 on_started: Callable[[list], None] | None = None) -> None:
+    def __init__(
+        self,
+        prepared: PreparedRun,
+        scaling,
+        cut: StageCut,
+        reader=None,
+        on_started: Callable[[list], None] | None = None,
+    ) -> None:
         """``cut``: how the model is cut (``cut.cut_stages``), the same for every attempt;
         ``on_started``: called with the actors once they run, before they connect (tests' faults)."""
         self.scaling, self.cut, self.keys, self.reader = scaling, cut, cut.keys, reader
@@ -51,13 +58,19 @@ class StageGroup:
         scaling, timeout = self.scaling, prepared.cfg.resource_timeout
         ready, _ = ray.wait([self.group.ready()], timeout=timeout)
         if not ready:
-            raise StartFailed(f"the {scaling.num_stages} stage bundles {scaling.bundles[0]} were not placed "
-                              f"within --resource-timeout {timeout:g} s ({scaling.placement_strategy})")
+            raise StartFailed(
+                f"the {scaling.num_stages} stage bundles {scaling.bundles[0]} were not placed "
+                f"within --resource-timeout {timeout:g} s ({scaling.placement_strategy})"
+            )
         requested = resolve_transport(scaling, _bundle_nodes(self.group), prepared.cfg.precision)
         device_transport = scaling.use_gpu and requested == "compiled"
         dataset = ray.put(prepared.dataset)
-        self.actors = [self._start(index, prepared, dataset, {k: prepared.initial_state[k] for k in self.keys[index]},
-                                   device_transport) for index in range(scaling.num_stages)]
+        self.actors = [
+            self._start(
+                index, prepared, dataset, {k: prepared.initial_state[k] for k in self.keys[index]}, device_transport
+            )
+            for index in range(scaling.num_stages)
+        ]
         self.nodes = ray.get([actor.node_id.remote() for actor in self.actors])
         if on_started is not None:
             on_started(self.actors)
@@ -74,9 +87,18 @@ class StageGroup:
         )
         actor_cls = ray.remote(StageWorker).options(**options)
         return actor_cls.remote(
-            index, self.scaling.num_stages, self.scaling.num_microbatches, asdict(prepared.cfg), dataset,
-            initial_slice, max(1, int(self.scaling.cpus_per_stage)), self.scaling.use_gpu, device_transport,
-            self.reader, prepared.model_factory, self.cut.unit_costs,
+            index,
+            self.scaling.num_stages,
+            self.scaling.num_microbatches,
+            asdict(prepared.cfg),
+            dataset,
+            initial_slice,
+            max(1, int(self.scaling.cpus_per_stage)),
+            self.scaling.use_gpu,
+            device_transport,
+            self.reader,
+            prepared.model_factory,
+            self.cut.unit_costs,
         )
 
     def gather_state(self) -> tuple[dict, dict, list, dict | None]:
@@ -96,8 +118,12 @@ class StageGroup:
     def restore(self, state: TrainState) -> None:
         """Send each stage its own slice of ``state``, never the whole."""
         num_stages = len(self.actors)
-        ray.get([actor.restore.remote(slice_state(state, self.keys[index], index, num_stages))
-                 for index, actor in enumerate(self.actors)])
+        ray.get(
+            [
+                actor.restore.remote(slice_state(state, self.keys[index], index, num_stages))
+                for index, actor in enumerate(self.actors)
+            ]
+        )
 
     def describe_failure(self, error: Exception) -> str:
         """Name the dead stage by probing every actor at once: the error alone does not say

@@ -3,6 +3,7 @@
 The stages time their own ops; this module sums them per epoch and turns them into the shares
 ``summary.json`` records (and the benchmark reads).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -57,14 +58,15 @@ class PipelineTiming:
             "peak_live_microbatches": self.peak_alive,
             "epoch_seconds": self.epoch_seconds,
             "epoch_stage_time_fractions": [
-                {**_fractions(timing, epoch_seconds * num_stages),
-                 "bubble": bubble_fraction(timing, epoch_seconds, num_stages),
-                 "schedule_bubble": replayed_bubble(schedules, *durations),
-                 "median_ops_bubble": replayed_bubble(schedules, *typical_durations(schedules, *durations)),
-                 "compute_by_stage": [sum(ops) / epoch_seconds for ops in durations[0]],
-                 "optimizer_by_stage": [sum(steps) / epoch_seconds for steps in durations[1]]}
-                for timing, epoch_seconds, durations in zip(self.epoch_timing, self.epoch_seconds,
-                                                            self.epoch_durations)
+                {
+                    **_fractions(timing, epoch_seconds * num_stages),
+                    "bubble": bubble_fraction(timing, epoch_seconds, num_stages),
+                    "schedule_bubble": replayed_bubble(schedules, *durations),
+                    "median_ops_bubble": replayed_bubble(schedules, *typical_durations(schedules, *durations)),
+                    "compute_by_stage": [sum(ops) / epoch_seconds for ops in durations[0]],
+                    "optimizer_by_stage": [sum(steps) / epoch_seconds for steps in durations[1]],
+                }
+                for timing, epoch_seconds, durations in zip(self.epoch_timing, self.epoch_seconds, self.epoch_durations)
             ],
         }
 

@@ -7,6 +7,7 @@ the driver, in the order a schedule (GPipe or 1F1B) gives: over torch.distribute
 (``p2p``: one actor call per stage per few batches), a Ray Compiled Graph (``compiled``: nccl
 channels between GPUs), or one actor call per op with object references (``actor_calls``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -81,7 +82,7 @@ def run_batches(stages: StageGroup, batches: list[torch.Tensor], batch_timeout_s
     try:
         for start in range(0, len(batches), size):
             interrupts.check()  # between calls: nothing is half-submitted
-            chunk = batches[start:start + size]
+            chunk = batches[start : start + size]
             pending.append((transport.submit(chunk), len(chunk)))
             if len(pending) > MAX_INFLIGHT_CALLS:
                 losses += collect(*pending.popleft())
@@ -104,8 +105,9 @@ class Attempt:
     log: TrainLog
 
 
-def _epoch(stages: StageGroup, prepared: PreparedRun, attempt: Attempt, scaling: PipelineScaling,
-                 faults: Faults) -> None:
+def _epoch(
+    stages: StageGroup, prepared: PreparedRun, attempt: Attempt, scaling: PipelineScaling, faults: Faults
+) -> None:
     """Epoch ``state.epochs_completed`` from step ``state.step``, in segments of
     ``--checkpoint-every-steps`` global batches with a checkpoint after each but the last."""
     cfg, state = prepared.cfg, attempt.state
@@ -167,13 +169,19 @@ def _checkpoint(stages: StageGroup, prepared: PreparedRun, state: TrainState, ga
 def _start_attempt(stages: StageGroup, prepared: PreparedRun, num_stages: int) -> Attempt:
     checkpoint = latest_checkpoint(prepared.run_dir)
     if checkpoint is None:
-        return Attempt(TrainState(dict(prepared.initial_state), {}, 0, []), None, None, PipelineTiming(num_stages),
-                       TrainLog(prepared.run_dir))
+        return Attempt(
+            TrainState(dict(prepared.initial_state), {}, 0, []),
+            None,
+            None,
+            PipelineTiming(num_stages),
+            TrainLog(prepared.run_dir),
+        )
     stages.restore(checkpoint)
     at = f"epoch {checkpoint.epochs_completed}" + (f", step {checkpoint.step}" if checkpoint.step else "")
     print(f"[raypar] resuming from the checkpoint after {at}", flush=True)
-    return Attempt(checkpoint, checkpoint.epochs_completed, checkpoint.step, PipelineTiming(num_stages),
-                   TrainLog(prepared.run_dir))
+    return Attempt(
+        checkpoint, checkpoint.epochs_completed, checkpoint.step, PipelineTiming(num_stages), TrainLog(prepared.run_dir)
+    )
 
 
 def run(prepared: PreparedRun, scaling: PipelineScaling, faults: Faults = NO_FAULTS) -> TrainSummary:
@@ -186,8 +194,11 @@ def run(prepared: PreparedRun, scaling: PipelineScaling, faults: Faults = NO_FAU
     cfg = prepared.cfg
     scaling.check(cfg)
     if scaling.num_microbatches < scaling.num_stages:
-        warnings.warn(f"--num-microbatches {scaling.num_microbatches} < --num-stages {scaling.num_stages}: "
-                      "the pipeline can never fill, some stages always idle", stacklevel=2)
+        warnings.warn(
+            f"--num-microbatches {scaling.num_microbatches} < --num-stages {scaling.num_stages}: "
+            "the pipeline can never fill, some stages always idle",
+            stacklevel=2,
+        )
     request = Request("--num-stages", scaling.num_stages, {"CPU": "--cpus-per-stage", "GPU": "--gpus-per-stage"})
     wait_for_bundles(scaling.bundles, scaling.placement_strategy, request, cfg.resource_timeout)
     with stream_reader(prepared, latest_progress(prepared.run_dir)) as reader:
@@ -200,8 +211,13 @@ def _attempts(prepared: PreparedRun, scaling: PipelineScaling, reader, faults: F
     for failures in range(cfg.max_failures + 1):
         stages = None
         try:
-            stages = StageGroup(prepared, scaling, cut, reader,
-                                on_started=functools.partial(faults.stages_started, first_attempt=failures == 0))
+            stages = StageGroup(
+                prepared,
+                scaling,
+                cut,
+                reader,
+                on_started=functools.partial(faults.stages_started, first_attempt=failures == 0),
+            )
             attempt = _start_attempt(stages, prepared, scaling.num_stages)
             while attempt.state.epochs_completed < cfg.epochs:
                 _epoch(stages, prepared, attempt, scaling, faults)
@@ -219,8 +235,9 @@ def _attempts(prepared: PreparedRun, scaling: PipelineScaling, reader, faults: F
     raise AssertionError("unreachable")
 
 
-def _finish(prepared: PreparedRun, scaling: PipelineScaling, stages: StageGroup, attempt: Attempt,
-            reader) -> TrainSummary:
+def _finish(
+    prepared: PreparedRun, scaling: PipelineScaling, stages: StageGroup, attempt: Attempt, reader
+) -> TrainSummary:
     extra = {
         "stage_nodes": stages.nodes,
         "stage_children": stages.cut.children,
@@ -229,12 +246,18 @@ def _finish(prepared: PreparedRun, scaling: PipelineScaling, stages: StageGroup,
         "num_stages": scaling.num_stages,
         "num_microbatches": scaling.num_microbatches,
         **attempt.timing.report(scaling.schedule, scaling.num_stages, scaling.num_microbatches),
-        **{f"stage_peak_{key}": [memory[key] for memory in stages.peak_memory()] for key in ("rss_bytes", "device_bytes")},
+        **{
+            f"stage_peak_{key}": [memory[key] for memory in stages.peak_memory()]
+            for key in ("rss_bytes", "device_bytes")
+        },
     }
-    metrics = {"samples_per_second": attempt.timing.samples_per_second,
-               "resumed_from_epoch": attempt.resumed_from_epoch,
-               "resumed_from_step": attempt.resumed_from_step,
-               "data_wait_fraction": attempt.timing.data_wait_fraction, **reader_stats(reader)}
+    metrics = {
+        "samples_per_second": attempt.timing.samples_per_second,
+        "resumed_from_epoch": attempt.resumed_from_epoch,
+        "resumed_from_step": attempt.resumed_from_step,
+        "data_wait_fraction": attempt.timing.data_wait_fraction,
+        **reader_stats(reader),
+    }
     return finish(prepared, attempt.state, metrics, scaling.num_stages, {"scaling": asdict(scaling)}, extra)
 
 

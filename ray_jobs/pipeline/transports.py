@@ -11,6 +11,7 @@ the tensors take and in how many actor calls the driver makes:
 A transport ``submit``s a chunk of global batches and ``collect``s their losses; a stage that
 dies surfaces as one of ``STAGE_FAILURES``, a batch that never ends as ``BatchTimeout``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -65,8 +66,11 @@ def connect(requested: str, actors: list, nodes: list[str], scaling, device_tran
     if len(set(nodes)) > 1:
         # Measured on Ray 2.60 (local multi-node cluster): compiled-graph channels between
         # nodes never delivered and the run hung.
-        warnings.warn("--transport compiled with stages on several nodes hung on Ray 2.60 here; "
-                      "--transport p2p is the tested choice", stacklevel=2)
+        warnings.warn(
+            "--transport compiled with stages on several nodes hung on Ray 2.60 here; "
+            "--transport p2p is the tested choice",
+            stacklevel=2,
+        )
     return CompiledGraph(actors, order, scaling.num_microbatches, device_transport)
 
 
@@ -84,8 +88,9 @@ class P2P:
             # Failing fast: a stage that cannot join must not leave the others waiting out the timeout.
             get_failing_fast(joins, timeout)
         except GetTimeoutError:
-            raise TransportFailed(f"the stages' gloo group at {address} did not form within "
-                                  f"--batch-timeout-s {timeout:g}") from None
+            raise TransportFailed(
+                f"the stages' gloo group at {address} did not form within --batch-timeout-s {timeout:g}"
+            ) from None
 
     def submit(self, chunk: list[torch.Tensor]):
         # One tensor of row indices per call: Ray pickles each tensor separately.

@@ -4,6 +4,7 @@ applies the model (each actor loads it once), and the driver writes the rows in 
 Everything that can be checked without Ray (the run, its model, the input's columns and width)
 is checked in ``load_run`` and ``check_input``, so bad input costs a second and one line.
 """
+
 from __future__ import annotations
 
 import io
@@ -49,21 +50,26 @@ def load_run(run_dir: str, checkpoint: str) -> TrainedModel:
     """The model of a finished run (``model.pt``, or ``best_model.pt`` for ``best``), checked by building it."""
     summary_path = storage.join(run_dir, "summary.json")
     if not storage.exists(summary_path):
-        raise ValueError(f"--run-dir {run_dir} has no summary.json: not a finished raypar run (train it first, "
-                         "or name its <storage-path>/<name> directory)")
+        raise ValueError(
+            f"--run-dir {run_dir} has no summary.json: not a finished raypar run (train it first, "
+            "or name its <storage-path>/<name> directory)"
+        )
     summary = json.loads(storage.read_bytes(summary_path))
     weights = storage.join(run_dir, WEIGHTS[checkpoint])
     if not storage.exists(weights):
         hint = " (the run had no --val-data)" if checkpoint == "best" else ""
         raise ValueError(f"--run-dir {run_dir} has no {WEIGHTS[checkpoint]}{hint}")
-    task = summary.get("task") or ("classification" if summary["config"].get("task") == "classification"
-                                   else "regression")
+    task = summary.get("task") or (
+        "classification" if summary["config"].get("task") == "classification" else "regression"
+    )
     trained = TrainedModel(summary["model"], task, storage.locate(weights), ship_model_code(summary["model"]["name"]))
     try:
         trained.load(torch.device("cpu"))
     except RuntimeError as error:  # load_state_dict: the weights are not this model's
-        raise ValueError(f"--run-dir {run_dir}: {WEIGHTS[checkpoint]} does not fit its summary's model: "
-                         f"{str(error).splitlines()[-1].strip()}") from None
+        raise ValueError(
+            f"--run-dir {run_dir}: {WEIGHTS[checkpoint]} does not fit its summary's model: "
+            f"{str(error).splitlines()[-1].strip()}"
+        ) from None
     return trained
 
 
@@ -79,7 +85,9 @@ def check_input(path: str, feature_column: str, in_features: int) -> tuple[pafs.
         first = pq.ParquetFile(filesystem.open_input_file(files[0]))
         names = first.schema_arrow.names
         if feature_column not in names:
-            raise ValueError(f"--data {path}: no column {feature_column!r} (--feature-column); it has {', '.join(names)}")
+            raise ValueError(
+                f"--data {path}: no column {feature_column!r} (--feature-column); it has {', '.join(names)}"
+            )
         sample = first.read_row_group(0, columns=[feature_column]).slice(0, 1) if first.num_row_groups else None
     except (pa.ArrowInvalid, OSError) as error:
         raise ValueError(f"--data {path}: not readable as Parquet ({str(error).splitlines()[0]})") from None
@@ -110,12 +118,19 @@ class Predictor:
 
 def _lists(matrix: np.ndarray) -> pa.Array:
     """An (n, k) float32 matrix as a list<float> column."""
-    return pa.FixedSizeListArray.from_arrays(pa.array(matrix.reshape(-1)), matrix.shape[1]).cast(
-        pa.list_(pa.float32()))
+    return pa.FixedSizeListArray.from_arrays(pa.array(matrix.reshape(-1)), matrix.shape[1]).cast(pa.list_(pa.float32()))
 
 
-def predict(trained: TrainedModel, filesystem: pafs.FileSystem, files: list[str], out: str, feature_column: str,
-            batch_size: int, num_workers: int, use_gpu: bool) -> int:
+def predict(
+    trained: TrainedModel,
+    filesystem: pafs.FileSystem,
+    files: list[str],
+    out: str,
+    feature_column: str,
+    batch_size: int,
+    num_workers: int,
+    use_gpu: bool,
+) -> int:
     """Run the actor pool over ``files`` and write ``out``; returns the rows written. Ray must be connected."""
     import ray.data
 

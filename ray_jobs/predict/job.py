@@ -5,6 +5,7 @@ its GPU with ``--use-gpu``) appends the predictions, and one Parquet file is wri
 input column, in input order, plus ``prediction`` (regression: the outputs as a list of floats;
 classification: the class index) and, for classification, ``probabilities`` (softmax).
 """
+
 from __future__ import annotations
 
 import sys
@@ -28,15 +29,26 @@ from ray_jobs.predict.inference import WEIGHTS, check_input, load_run, predict
 class PredictConfig:
     """What to predict with, on what, and where to put it."""
 
-    run_dir: str | None = field(default=None, metadata=flag_doc(
-        "a finished run's directory (<storage-path>/<name>), local or a URI", "data", "none: required"))
-    data: str | None = field(default=None, metadata=flag_doc(
-        "Parquet file or directory to predict, local or a URI", "data", "none: required"))
-    out: str | None = field(default=None, metadata=flag_doc(
-        "the Parquet file to write, local or a URI", "data", "none: required"))
+    run_dir: str | None = field(
+        default=None,
+        metadata=flag_doc(
+            "a finished run's directory (<storage-path>/<name>), local or a URI", "data", "none: required"
+        ),
+    )
+    data: str | None = field(
+        default=None,
+        metadata=flag_doc("Parquet file or directory to predict, local or a URI", "data", "none: required"),
+    )
+    out: str | None = field(
+        default=None, metadata=flag_doc("the Parquet file to write, local or a URI", "data", "none: required")
+    )
     feature_column: str = field(default="features", metadata=flag_doc("list<float> column of inputs", "data"))
-    checkpoint: str = field(default="final", metadata=flag_doc(
-        "final: model.pt; best: best_model.pt (a run with --val-data)", "model", choices=tuple(WEIGHTS)))
+    checkpoint: str = field(
+        default="final",
+        metadata=flag_doc(
+            "final: model.pt; best: best_model.pt (a run with --val-data)", "model", choices=tuple(WEIGHTS)
+        ),
+    )
     batch_size: int = field(default=1024, metadata=flag_doc("rows per model call", "training"))
     num_workers: int = field(default=1, metadata=flag_doc("actors in the pool, each holding the model once"))
     use_gpu: bool = field(default=False, metadata=flag_doc("one GPU per actor", default_text="CPU"))
@@ -53,8 +65,7 @@ class PredictConfig:
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m ray_jobs.predict", description=__doc__)
     add_flags(parser, PredictConfig, "placement")
-    flag_group(parser, "placement").add_argument(
-        "--address", default=None, help=ADDRESS_HELP)
+    flag_group(parser, "placement").add_argument("--address", default=None, help=ADDRESS_HELP)
     args = parser.parse_args(argv)
     try:
         cfg = from_args(PredictConfig, args)
@@ -62,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         trained = load_run(cfg.run_dir, cfg.checkpoint)
         filesystem, files = check_input(cfg.data, cfg.feature_column, trained.record["in_features"])
         join(target, args.address)
-        rows = predict(trained, filesystem, files, cfg.out, cfg.feature_column, cfg.batch_size, cfg.num_workers,
-                       cfg.use_gpu)
+        rows = predict(
+            trained, filesystem, files, cfg.out, cfg.feature_column, cfg.batch_size, cfg.num_workers, cfg.use_gpu
+        )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 Its ports are free ones picked at run time, so it never meets the shared cluster.
 """
+
 from __future__ import annotations
 
 import json
@@ -63,8 +64,24 @@ def run_job(client: JobSubmissionClient, *args: str) -> str:
 
 
 def flags(cfg: TrainConfig) -> list[str]:
-    return ["--model", cfg.model, "--data", cfg.data, "--hidden", str(cfg.hidden), "--epochs", str(cfg.epochs), "--batch-size",
-            str(cfg.batch_size), "--seed", str(cfg.seed), "--storage-path", cfg.storage_path, "--name", cfg.name]
+    return [
+        "--model",
+        cfg.model,
+        "--data",
+        cfg.data,
+        "--hidden",
+        str(cfg.hidden),
+        "--epochs",
+        str(cfg.epochs),
+        "--batch-size",
+        str(cfg.batch_size),
+        "--seed",
+        str(cfg.seed),
+        "--storage-path",
+        cfg.storage_path,
+        "--name",
+        cfg.name,
+    ]
 
 
 def summary(cfg: TrainConfig) -> dict:
@@ -75,7 +92,10 @@ def test_job_without_the_token_is_refused(cluster_state):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     result = subprocess.run(
         [*local.ray_command(), "job", "submit", "--address", cluster_state["dashboard_url"], "--", "echo", "hi"],
-        env=env, capture_output=True, text=True, timeout=120,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode != 0
     assert "401" in result.stdout + result.stderr or "nauthorized" in result.stdout + result.stderr
@@ -83,15 +103,28 @@ def test_job_without_the_token_is_refused(cluster_state):
 
 def test_job_stop_ends_the_workers_and_the_cluster_stays_usable(client, cluster_state, tmp_path):
     """The job places its workers with the default PACK: both on one node while it trains."""
-    job_id = submit(client, "ray_jobs.ddp", "--num-workers", "2", "--epochs", "100000",
-                    "--storage-path", str(tmp_path), "--name", "long")
+    job_id = submit(
+        client,
+        "ray_jobs.ddp",
+        "--num-workers",
+        "2",
+        "--epochs",
+        "100000",
+        "--storage-path",
+        str(tmp_path),
+        "--name",
+        "long",
+    )
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while "[raypar] epoch 1/" not in client.get_job_logs(job_id):
         assert time.monotonic() < deadline, client.get_job_logs(job_id)
         assert client.get_job_status(job_id) == JobStatus.RUNNING or not client.get_job_status(job_id).is_terminal()
         time.sleep(1)
-    workers = [actor for actor in local.fetch_nodes(cluster_state, "actors")
-               if actor["class_name"] == "RayTrainWorker" and actor["state"] == "ALIVE"]
+    workers = [
+        actor
+        for actor in local.fetch_nodes(cluster_state, "actors")
+        if actor["class_name"] == "RayTrainWorker" and actor["state"] == "ALIVE"
+    ]
     assert len(workers) == 2 and len({actor["node_id"] for actor in workers}) == 1, workers
     client.stop_job(job_id)
     assert wait_for(client, job_id, {JobStatus.STOPPED, JobStatus.FAILED, JobStatus.SUCCEEDED}) == JobStatus.STOPPED
@@ -100,8 +133,16 @@ def test_job_stop_ends_the_workers_and_the_cluster_stays_usable(client, cluster_
 
 def test_ddp_job_strict_spread_and_reference_weights(client, regression_data, tmp_path):
     """PACK's placement is checked while the job above runs."""
-    cfg = TrainConfig(model="seed-mlp", hidden=8, data=regression_data, epochs=2, batch_size=16, seed=7,
-                      storage_path=str(tmp_path), name="strict")
+    cfg = TrainConfig(
+        model="seed-mlp",
+        hidden=8,
+        data=regression_data,
+        epochs=2,
+        batch_size=16,
+        seed=7,
+        storage_path=str(tmp_path),
+        name="strict",
+    )
     logs = run_job(client, "ray_jobs.ddp", "--num-workers", "2", "--placement-strategy", "STRICT_SPREAD", *flags(cfg))
     assert logs.count("[raypar] epoch 1/2") == 1  # rank 0 only, printed once
     record = summary(cfg)
@@ -111,10 +152,27 @@ def test_ddp_job_strict_spread_and_reference_weights(client, regression_data, tm
 
 
 def test_pipeline_job_strict_spread_puts_stages_on_different_nodes(client, regression_data, tmp_path):
-    cfg = TrainConfig(model="seed-split", hidden=8, data=regression_data, epochs=2, batch_size=16, seed=3,
-                      storage_path=str(tmp_path), name="pipe")
-    run_job(client, "ray_jobs.pipeline", "--num-stages", "2", "--num-microbatches", "4",
-            "--placement-strategy", "STRICT_SPREAD", *flags(cfg))
+    cfg = TrainConfig(
+        model="seed-split",
+        hidden=8,
+        data=regression_data,
+        epochs=2,
+        batch_size=16,
+        seed=3,
+        storage_path=str(tmp_path),
+        name="pipe",
+    )
+    run_job(
+        client,
+        "ray_jobs.pipeline",
+        "--num-stages",
+        "2",
+        "--num-microbatches",
+        "4",
+        "--placement-strategy",
+        "STRICT_SPREAD",
+        *flags(cfg),
+    )
     record = summary(cfg)
     assert len(set(record["stage_nodes"])) == 2 and record["transport"] == "p2p_gloo"  # auto works across nodes
     assert_same_weights(load_weights(str(tmp_path / cfg.name)), reference_for(cfg)[0])

@@ -3,6 +3,7 @@
 Ports are free ones picked at run time, so this cluster never meets the shared
 ``ray.init`` cluster other tests start in the same pytest process.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,7 +50,9 @@ def test_up_status_auth_down(local_cluster):
     jobs_api = f"http://127.0.0.1:{dashboard_port}/api/jobs/"
     state = json.loads((Path(state_dir) / "cluster.json").read_text())
     token = Path(state["token_path"]).read_text().strip()
-    assert f"ray job submit --address http://127.0.0.1:{dashboard_port}" in up_output and state["token_path"] in up_output
+    assert (
+        f"ray job submit --address http://127.0.0.1:{dashboard_port}" in up_output and state["token_path"] in up_output
+    )
 
     shown = cluster_cli("status", "--state-dir", state_dir)
     assert shown.returncode == 0, shown.stderr
@@ -61,8 +64,10 @@ def test_up_status_auth_down(local_cluster):
     assert http_status(jobs_api, "not-the-token") == 403
     assert http_status(jobs_api, token) == 200
 
-    for node, refusal in (("127.0.0.3", "node 127.0.0.3 is running; only a lost node rejoins"),
-                          ("127.0.0.2", "--node 127.0.0.2 is not a worker node of this cluster")):
+    for node, refusal in (
+        ("127.0.0.3", "node 127.0.0.3 is running; only a lost node rejoins"),
+        ("127.0.0.2", "--node 127.0.0.2 is not a worker node of this cluster"),
+    ):
         refused = cluster_cli("rejoin", "--state-dir", state_dir, "--node", node)
         assert refused.returncode == 2 and refused.stderr.startswith(f"error: {refusal}"), refused.stderr
         assert refused.stderr.count("\n") == 1  # one line

@@ -5,6 +5,7 @@ the single-process reference's weights; an elastic run also grows back once the 
 
 The cluster's ports are free ones picked at run time, so it never meets the shared cluster.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,10 +42,15 @@ def cluster_state(tmp_path_factory):
 def alive_worker_nodes(state: dict) -> list[str]:
     """The worker nodes whose processes run, once Ray's view agrees (a node lost just before is
     marked dead ~15 s after it went)."""
-    running = sorted(node["ip"] for node in state["nodes"] if node["ip"] != local.HEAD_NODE_IP and local.group_alive(node))
+    running = sorted(
+        node["ip"] for node in state["nodes"] if node["ip"] != local.HEAD_NODE_IP and local.group_alive(node)
+    )
     deadline = time.monotonic() + WAIT_S
-    while (seen := sorted(n["node_ip"] for n in local.fetch_nodes(state)
-                          if n["state"] == "ALIVE" and not n["is_head_node"])) != running:
+    while (
+        seen := sorted(
+            n["node_ip"] for n in local.fetch_nodes(state) if n["state"] == "ALIVE" and not n["is_head_node"]
+        )
+    ) != running:
         assert time.monotonic() < deadline, (seen, running)
         time.sleep(0.5)
     return running
@@ -52,12 +58,18 @@ def alive_worker_nodes(state: dict) -> list[str]:
 
 def nodes_hosting(state: dict, class_name: str) -> list[str]:
     ips = {n["node_id"]: n["node_ip"] for n in local.fetch_nodes(state)}
-    return sorted({ips[a["node_id"]] for a in local.fetch_nodes(state, "actors")
-                   if a["class_name"] == class_name and a["state"] == "ALIVE"})
+    return sorted(
+        {
+            ips[a["node_id"]]
+            for a in local.fetch_nodes(state, "actors")
+            if a["class_name"] == class_name and a["state"] == "ALIVE"
+        }
+    )
 
 
-def run_losing_a_node(state: dict, tmp_path: Path, strategy: str, actor_class: str, flags: list[str],
-                      rejoin: bool = False) -> str:
+def run_losing_a_node(
+    state: dict, tmp_path: Path, strategy: str, actor_class: str, flags: list[str], rejoin: bool = False
+) -> str:
     """Run ``strategy`` as its own driver; once epoch 1's checkpoint is written and the run waits
     (the tests' hold), preempt a node hosting one of its ``actor_class`` actors. With ``rejoin``,
     once the run goes on without it and waits again at epoch 2, start that node again and wait
@@ -70,7 +82,13 @@ def run_losing_a_node(state: dict, tmp_path: Path, strategy: str, actor_class: s
     env["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "15"
     process = subprocess.Popen(
         [sys.executable, "-m", "tests.fault_driver", strategy, faults, "--address", state["address"], *flags],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
     try:
@@ -104,10 +122,36 @@ def wait_for(done: Callable[[], bool], process: subprocess.Popen, lines: list[st
 
 
 def config(data: str, tmp_path: Path, model: str) -> tuple[TrainConfig, list[str]]:
-    cfg = TrainConfig(model=model, hidden=8, data=data, epochs=3, batch_size=16, seed=7,
-                      storage_path=str(tmp_path / "runs"), name="run")
-    flags = ["--model", cfg.model, "--hidden", "8", "--data", cfg.data, "--epochs", "3", "--batch-size", "16",
-             "--seed", "7", "--storage-path", cfg.storage_path, "--name", cfg.name, "--max-failures", "3"]
+    cfg = TrainConfig(
+        model=model,
+        hidden=8,
+        data=data,
+        epochs=3,
+        batch_size=16,
+        seed=7,
+        storage_path=str(tmp_path / "runs"),
+        name="run",
+    )
+    flags = [
+        "--model",
+        cfg.model,
+        "--hidden",
+        "8",
+        "--data",
+        cfg.data,
+        "--epochs",
+        "3",
+        "--batch-size",
+        "16",
+        "--seed",
+        "7",
+        "--storage-path",
+        cfg.storage_path,
+        "--name",
+        cfg.name,
+        "--max-failures",
+        "3",
+    ]
     return cfg, flags
 
 
@@ -118,8 +162,13 @@ def summary_of(cfg: TrainConfig) -> dict:
 def test_pipeline_stage_node_lost_with_room_left_is_replaced(cluster_state, regression_data, tmp_path):
     assert len(alive_worker_nodes(cluster_state)) == 3  # a spare node for the lost stage
     cfg, flags = config(regression_data, tmp_path, "seed-split")
-    output = run_losing_a_node(cluster_state, tmp_path, "pipeline", "StageWorker",
-                               [*flags, "--num-stages", "2", "--num-microbatches", "4", "--placement-strategy", "SPREAD"])
+    output = run_losing_a_node(
+        cluster_state,
+        tmp_path,
+        "pipeline",
+        "StageWorker",
+        [*flags, "--num-stages", "2", "--num-microbatches", "4", "--placement-strategy", "SPREAD"],
+    )
     assert "restarting the pipeline from the latest checkpoint" in output
     assert "Unhandled error" not in output  # the other stages' failed calls are taken, not printed by Ray
     record = summary_of(cfg)
@@ -127,20 +176,28 @@ def test_pipeline_stage_node_lost_with_room_left_is_replaced(cluster_state, regr
     assert_same_weights(load_weights(str(Path(cfg.storage_path) / cfg.name)), reference_for(cfg)[0])
 
 
-def test_elastic_ddp_shrinks_on_losing_a_node_and_grows_back_with_the_same_weights(cluster_state, regression_data,
-                                                                                      tmp_path):
+def test_elastic_ddp_shrinks_on_losing_a_node_and_grows_back_with_the_same_weights(
+    cluster_state, regression_data, tmp_path
+):
     # After the pipeline test: 2 nodes, so 2 -> 1 -> 2 workers; alone: 3 -> 2 -> 3 (16 rows as 6, 5, 5).
     num_nodes = len(alive_worker_nodes(cluster_state))
     cfg, flags = config(regression_data, tmp_path, "seed-mlp")
-    output = run_losing_a_node(cluster_state, tmp_path, "ddp", "RayTrainWorker",
-                               [*flags, "--num-workers", str(num_nodes), "--min-workers", "1",
-                                "--resize-interval", "1"], rejoin=True)
+    output = run_losing_a_node(
+        cluster_state,
+        tmp_path,
+        "ddp",
+        "RayTrainWorker",
+        [*flags, "--num-workers", str(num_nodes), "--min-workers", "1", "--resize-interval", "1"],
+        rejoin=True,
+    )
     assert f"resuming from the checkpoint after epoch 1 on {num_nodes - 1} worker(s)" in output
     assert f"resuming from the checkpoint after epoch 2 on {num_nodes} worker(s)" in output
     record = summary_of(cfg)
-    assert record["world_sizes"] == [{"num_workers": num_nodes, "epoch": 0, "step": 0},
-                                     {"num_workers": num_nodes - 1, "epoch": 1, "step": 0},
-                                     {"num_workers": num_nodes, "epoch": 2, "step": 0}]
+    assert record["world_sizes"] == [
+        {"num_workers": num_nodes, "epoch": 0, "step": 0},
+        {"num_workers": num_nodes - 1, "epoch": 1, "step": 0},
+        {"num_workers": num_nodes, "epoch": 2, "step": 0},
+    ]
     assert record["world_size"] == num_nodes and record["resumed_from_epoch"] == 2
     assert len(set(record["worker_nodes"])) == num_nodes
     # the global batch is the same on any worker count; all-reduce order is the only difference

@@ -15,5 +15,6 @@ pytestmark = pytest.mark.ray
 def test_predictions_from_a_bucket_equal_the_model_in_input_order(ray_cluster, s3_endpoint):
     bucket = f"raypar-{uuid.uuid4().hex[:8]}"
     pafs.S3FileSystem(endpoint_override=s3_endpoint, scheme="http", allow_bucket_creation=True).create_dir(bucket)
-    predicts_the_model_in_input_order(f"s3://{bucket}", f"?endpoint_override={s3_endpoint}&scheme=http",
-                                      "classification", num_workers=2)
+    predicts_the_model_in_input_order(
+        f"s3://{bucket}", f"?endpoint_override={s3_endpoint}&scheme=http", "classification", num_workers=2
+    )

@@ -1,4 +1,5 @@
 """One end-to-end run of the bench's smoke suite on the shared Ray cluster."""
+
 from __future__ import annotations
 
 import json
@@ -60,7 +61,8 @@ def test_the_smoke_suite_runs_every_case_end_to_end(ray_cluster, tmp_path):
 
     stream = results["stream_ingest"]
     assert {(run["data"], run["ingest"]) for run in stream["runs"]} == {
-        (data, ingest) for data in ("large", "small") for ingest in ("memory", "stream")}
+        (data, ingest) for data in ("large", "small") for ingest in ("memory", "stream")
+    }
     for run in stream["runs"]:
         assert run["driver_peak_rss_bytes"] > 10 * 2**20 and min(run["worker_peak_rss_bytes"]) > 10 * 2**20
         assert run["bytes_read"] > 0 and 0 <= run["data_wait_fraction"] < 1

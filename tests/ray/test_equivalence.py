@@ -1,4 +1,5 @@
 """The central promise: every strategy and worker count trains the single-process reference model."""
+
 from __future__ import annotations
 
 import json
@@ -26,13 +27,18 @@ CASES = [
 
 
 @pytest.mark.parametrize(("strategy", "num_workers", "task", "shuffle", "optim"), CASES)
-def test_matches_single_process_reference(
-    ray_cluster, tmp_path, request, strategy, num_workers, task, shuffle, optim
-):
+def test_matches_single_process_reference(ray_cluster, tmp_path, request, strategy, num_workers, task, shuffle, optim):
     data = request.getfixturevalue(f"{task}_data")
     cfg = TrainConfig(
-        model="seed-mlp", hidden=8, data=data, epochs=3, seed=7, shuffle=shuffle,
-        storage_path=str(tmp_path), name="run", **{"lr": 0.05, "batch_size": 16, **optim},
+        model="seed-mlp",
+        hidden=8,
+        data=data,
+        epochs=3,
+        seed=7,
+        shuffle=shuffle,
+        storage_path=str(tmp_path),
+        name="run",
+        **{"lr": 0.05, "batch_size": 16, **optim},
     )
     summary = run_strategy(strategy, cfg, num_workers)
     expected_weights, expected_losses = reference_for(cfg)

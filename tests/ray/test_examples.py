@@ -1,4 +1,5 @@
 """``examples/``: its README's commands, run as written, in a copy of the folder."""
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,13 @@ def test_the_examples_commands_run_as_written(ray_cluster, tmp_path, monkeypatch
         assert MAINS[module](argv) == 0, (module, argv)
 
     summary = json.loads((work / "runs" / "example" / "summary.json").read_text())
-    assert summary["model"] == {"name": "my_model:tower", "in_features": 6, "out_features": 3, "hidden": 16,
-                                "act": "gelu"}
+    assert summary["model"] == {
+        "name": "my_model:tower",
+        "in_features": 6,
+        "out_features": 3,
+        "hidden": 16,
+        "act": "gelu",
+    }
     assert len(summary["val_losses"]) == len(summary["val_accuracy"]) == 3
     assert summary["best_epoch"] == 1 + min(range(3), key=summary["val_losses"].__getitem__)
     assert list((work / "runs" / "example" / "tensorboard").glob("events.out.tfevents.*"))

@@ -1,5 +1,6 @@
 """Failures on a real run surface as their root cause in one line, and a failed start leaves
 nothing behind."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,17 @@ from tests.helpers import assert_same_weights, load_weights, reference_for, run_
 
 @pytest.fixture
 def cfg(regression_data, tmp_path) -> TrainConfig:
-    return TrainConfig(model="mlp", hidden=8, depth=3, data=regression_data, epochs=2, batch_size=16, seed=3,
-                       storage_path=str(tmp_path), name="run")
+    return TrainConfig(
+        model="mlp",
+        hidden=8,
+        depth=3,
+        data=regression_data,
+        epochs=2,
+        batch_size=16,
+        seed=3,
+        storage_path=str(tmp_path),
+        name="run",
+    )
 
 
 def _leftovers() -> tuple[list, list]:
@@ -27,13 +37,20 @@ def _leftovers() -> tuple[list, list]:
 
 @pytest.mark.ray
 def test_a_stage_that_dies_while_starting_leaves_nothing_and_is_retried(ray_cluster, cfg):
-    with pytest.raises(TrainingFailed, match=r"stage 1 actor on node \S+ died, while the stages started; "
-                                             r"--max-failures 0 exhausted"):
+    with pytest.raises(
+        TrainingFailed,
+        match=r"stage 1 actor on node \S+ died, while the stages started; "
+        r"--max-failures 0 exhausted",
+    ):
         run_strategy("pipeline", cfg, scaling=PipelineScaling(num_stages=2), crash_at_start=True)
     groups, actors = _leftovers()
     assert groups == [] and actors == []  # in-process callers get no leaked placement group or actor
-    summary = run_strategy("pipeline", with_(cfg, name="retried", max_failures=1),
-                           scaling=PipelineScaling(num_stages=2), crash_at_start=True)
+    summary = run_strategy(
+        "pipeline",
+        with_(cfg, name="retried", max_failures=1),
+        scaling=PipelineScaling(num_stages=2),
+        crash_at_start=True,
+    )
     assert summary.resumed_from_epoch is None  # the failed start had trained nothing
     assert_same_weights(load_weights(summary.run_dir), reference_for(cfg)[0])
 

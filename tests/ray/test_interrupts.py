@@ -1,4 +1,5 @@
 """Real signals to real processes: Ctrl-C / SIGTERM to a job, SIGKILL to a Ray Train worker."""
+
 from __future__ import annotations
 
 import os
@@ -30,7 +31,11 @@ class Job:
         address = ray.get_runtime_context().gcs_address
         self.process = subprocess.Popen(
             [sys.executable, "-m", module, "--address", address, *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
         )
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -67,10 +72,13 @@ def wait_until_no_run_actors(dashboard_url: str) -> None:
         time.sleep(0.5)
 
 
-@pytest.mark.parametrize(("module", "args", "signum"), [
-    ("ray_jobs.ddp", ["--num-workers", "2"], signal.SIGINT),
-    ("ray_jobs.pipeline", ["--num-stages", "2", "--model", "mlp"], signal.SIGTERM),
-])
+@pytest.mark.parametrize(
+    ("module", "args", "signum"),
+    [
+        ("ray_jobs.ddp", ["--num-workers", "2"], signal.SIGINT),
+        ("ray_jobs.pipeline", ["--num-stages", "2", "--model", "mlp"], signal.SIGTERM),
+    ],
+)
 def test_interrupt_stops_the_job_keeps_the_checkpoint_and_leaves_no_actor(ray_cluster, tmp_path, module, args, signum):
     job = Job(module, *args, "--epochs", "100000", "--storage-path", str(tmp_path), "--name", "run")
     job.wait_for("[raypar] epoch 2/")
@@ -84,8 +92,18 @@ def test_interrupt_stops_the_job_keeps_the_checkpoint_and_leaves_no_actor(ray_cl
 
 
 def test_sigkilled_train_worker_resumes_with_the_reference_weights(ray_cluster, regression_data, tmp_path):
-    cfg = TrainConfig(model="seed-mlp", hidden=8, data=regression_data, epochs=6, batch_size=16, seed=13,
-                      momentum=0.9, max_failures=1, storage_path=str(tmp_path), name="killed")
+    cfg = TrainConfig(
+        model="seed-mlp",
+        hidden=8,
+        data=regression_data,
+        epochs=6,
+        batch_size=16,
+        seed=13,
+        momentum=0.9,
+        max_failures=1,
+        storage_path=str(tmp_path),
+        name="killed",
+    )
     outcome: dict = {}
     thread = threading.Thread(target=lambda: outcome.update(summary=run_strategy("ddp", cfg, num_workers=2)))
     thread.start()
@@ -93,8 +111,9 @@ def test_sigkilled_train_worker_resumes_with_the_reference_weights(ray_cluster, 
     while latest_checkpoint(str(tmp_path / "killed")) is None:
         assert time.monotonic() < deadline and thread.is_alive(), "no checkpoint appeared"
         time.sleep(0.1)
-    workers = list_actors(address=ray_cluster.dashboard_url,
-                          filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+    workers = list_actors(
+        address=ray_cluster.dashboard_url, filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")]
+    )
     os.kill(workers[0].pid, signal.SIGKILL)  # a real process death, mid-run
     thread.join(timeout=WAIT_S * 2)
     summary = outcome["summary"]
@@ -108,8 +127,16 @@ def test_training_workers_holding_every_cpu_do_not_hang(ray_cluster, regression_
     # raypar loads data in the driver and shares it through the object store (no Ray Data
     # pipeline that needs a free CPU), so workers may hold all of the cluster's CPUs.
     total = int(ray.cluster_resources()["CPU"])
-    cfg = TrainConfig(model="seed-mlp", hidden=8, data=regression_data, epochs=1, batch_size=16 * total,
-                      seed=1, storage_path=str(tmp_path), name="full")
+    cfg = TrainConfig(
+        model="seed-mlp",
+        hidden=8,
+        data=regression_data,
+        epochs=1,
+        batch_size=16 * total,
+        seed=1,
+        storage_path=str(tmp_path),
+        name="full",
+    )
     summary = run_strategy("ddp", cfg, num_workers=total)
     assert summary.world_size == total
     assert_same_weights(load_weights(summary.run_dir), reference_for(cfg)[0])

@@ -1,4 +1,5 @@
 """The actor pipeline trains the single-process reference model, for both schedules and any S, M."""
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,9 @@ MODELS = {
 }
 CASES = [
     # p2p, the default transport: every model (S = 2, 3, 4) and schedule, micro-batches interleaved
-    (model, schedule, 4, True, "p2p") for model in MODELS for schedule in ("gpipe", "1f1b")
+    (model, schedule, 4, True, "p2p")
+    for model in MODELS
+    for schedule in ("gpipe", "1f1b")
 ] + [
     ("seed-split", "gpipe", 1, False, "p2p"),  # M=1 < S: the pipeline never fills
     ("mlp-3", "sequential", 4, False, "p2p"),
@@ -37,16 +40,25 @@ TRANSPORT_NAMES = {"p2p": "p2p_gloo", "compiled": "compiled_graph", "actor_calls
 
 @pytest.fixture
 def base(regression_data, tmp_path) -> TrainConfig:
-    return TrainConfig(model="seed-split", data=regression_data, epochs=2, batch_size=16, seed=5,
-                       momentum=0.9, storage_path=str(tmp_path), name="run")
+    return TrainConfig(
+        model="seed-split",
+        data=regression_data,
+        epochs=2,
+        batch_size=16,
+        seed=5,
+        momentum=0.9,
+        storage_path=str(tmp_path),
+        name="run",
+    )
 
 
 @pytest.mark.parametrize(("model", "schedule", "num_microbatches", "shuffle", "transport"), CASES)
 def test_matches_single_process_reference(ray_cluster, base, model, schedule, num_microbatches, shuffle, transport):
     options, num_stages = MODELS[model]
     cfg = with_(base, shuffle=shuffle, **options)
-    scaling = PipelineScaling(num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule,
-                              transport=transport)
+    scaling = PipelineScaling(
+        num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule, transport=transport
+    )
     summary = run_strategy("pipeline", cfg, scaling=scaling)
     expected_weights, expected_losses = reference_for(cfg)
     # Micro-batch gradients are summed (each loss divided by M) instead of taken from one
@@ -73,8 +85,18 @@ def test_batches_per_call_changes_nothing(ray_cluster, base):
 
 
 def test_classification_and_adamw(ray_cluster, base, classification_data):
-    cfg = with_(base, data=classification_data, model="mlp", hidden=8, depth=3, momentum=0.0,
-                optimizer="adamw", lr=0.01, weight_decay=0.01, epochs=3)
+    cfg = with_(
+        base,
+        data=classification_data,
+        model="mlp",
+        hidden=8,
+        depth=3,
+        momentum=0.0,
+        optimizer="adamw",
+        lr=0.01,
+        weight_decay=0.01,
+        epochs=3,
+    )
     summary = run_strategy("pipeline", cfg, scaling=PipelineScaling(num_stages=3, num_microbatches=4))
     assert_same_weights(load_weights(summary.run_dir), reference_for(cfg)[0])
 

@@ -1,5 +1,6 @@
 """--precision on Ray: bf16 and fp16 strategies against a single-process reference in the same
 precision, and fp16's scale through a resume."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,19 @@ BF16_ATOL = 2e-3
 
 @pytest.fixture
 def bf16(regression_data, tmp_path) -> TrainConfig:
-    return TrainConfig(model="mlp", hidden=12, depth=3, data=regression_data, epochs=3, batch_size=16, seed=7,
-                       momentum=0.9, precision="bf16", storage_path=str(tmp_path), name="run")
+    return TrainConfig(
+        model="mlp",
+        hidden=12,
+        depth=3,
+        data=regression_data,
+        epochs=3,
+        batch_size=16,
+        seed=7,
+        momentum=0.9,
+        precision="bf16",
+        storage_path=str(tmp_path),
+        name="run",
+    )
 
 
 def _assert_bf16_reference(summary, cfg: TrainConfig) -> None:

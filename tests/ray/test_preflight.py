@@ -1,5 +1,6 @@
 """On a real cluster, requests it can never meet fail at once with one line, instead of Ray
 retrying forever; an autoscaling cluster is waited for, up to --resource-timeout."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,18 +14,24 @@ from ray_jobs.driver.resources import ResourceError
 TWO_WORKERS = preflight.Request("--num-workers", 2, {"CPU": "--cpus-per-worker", "GPU": "--gpus-per-worker"})
 
 
-
-
 @pytest.mark.parametrize(
     ("scaling", "message"),
     [
-        (WorkerScaling(num_workers=2, use_gpu=True),
-         r"--num-workers 2 asks for 2 GPU in all; the cluster has 0 GPU .*: add nodes that have it or drop --use-gpu"),
-        (WorkerScaling(num_workers=8), r"--num-workers 8 asks for 8 CPU in all; the cluster has 4 CPU .*: "
-                                       r"lower --cpus-per-worker \(0.5 fits\) or lower --num-workers \(4 fit\) or add nodes"),
+        (
+            WorkerScaling(num_workers=2, use_gpu=True),
+            r"--num-workers 2 asks for 2 GPU in all; the cluster has 0 GPU .*: "
+            r"add nodes that have it or drop --use-gpu",
+        ),
+        (
+            WorkerScaling(num_workers=8),
+            r"--num-workers 8 asks for 8 CPU in all; the cluster has 4 CPU .*: "
+            r"lower --cpus-per-worker \(0.5 fits\) or lower --num-workers \(4 fit\) or add nodes",
+        ),
         (WorkerScaling(num_workers=1, cpus_per_worker=6), r"asks for 6 CPU in all; the cluster has 4 CPU"),
-        (WorkerScaling(num_workers=2, placement_strategy="STRICT_SPREAD"),
-         r"STRICT_SPREAD needs 2 nodes; the cluster has 1: use --placement-strategy SPREAD or add nodes"),
+        (
+            WorkerScaling(num_workers=2, placement_strategy="STRICT_SPREAD"),
+            r"STRICT_SPREAD needs 2 nodes; the cluster has 1: use --placement-strategy SPREAD or add nodes",
+        ),
     ],
 )
 @pytest.mark.ray

@@ -1,4 +1,5 @@
 """Exact resume: a run that restarts from a checkpoint ends with the uninterrupted run's weights."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,8 +15,15 @@ pytestmark = pytest.mark.ray
 def cfg(regression_data, tmp_path) -> TrainConfig:
     # Momentum makes the optimizer state matter: a resume that dropped it would diverge.
     return TrainConfig(
-        model="seed-mlp", hidden=8, data=regression_data, epochs=3, batch_size=16, seed=11,
-        momentum=0.9, storage_path=str(tmp_path), name="run",
+        model="seed-mlp",
+        hidden=8,
+        data=regression_data,
+        epochs=3,
+        batch_size=16,
+        seed=11,
+        momentum=0.9,
+        storage_path=str(tmp_path),
+        name="run",
     )
 
 

@@ -1,5 +1,6 @@
 """Streaming ingest on Ray: every strategy trains the single-process reference's weights in order
 contract v2's order, a resume mid-epoch ends the same, and bad rows stop the run naming them."""
+
 from __future__ import annotations
 
 import json
@@ -31,13 +32,26 @@ def cfg(stream_cfg) -> TrainConfig:
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize(("strategy", "options", "shuffle", "task"), [
-    ("ddp", {"num_workers": 2}, True, "regression"),
-    ("ddp", {"num_workers": 2}, False, "classification"),
-    ("dp", {}, True, "regression"),
-    ("pipeline", {"scaling": PipelineScaling(num_stages=2, num_microbatches=4, schedule="gpipe")}, True, "regression"),
-    ("pipeline", {"scaling": PipelineScaling(num_stages=2, num_microbatches=2, schedule="1f1b")}, False, "regression"),
-])
+@pytest.mark.parametrize(
+    ("strategy", "options", "shuffle", "task"),
+    [
+        ("ddp", {"num_workers": 2}, True, "regression"),
+        ("ddp", {"num_workers": 2}, False, "classification"),
+        ("dp", {}, True, "regression"),
+        (
+            "pipeline",
+            {"scaling": PipelineScaling(num_stages=2, num_microbatches=4, schedule="gpipe")},
+            True,
+            "regression",
+        ),
+        (
+            "pipeline",
+            {"scaling": PipelineScaling(num_stages=2, num_microbatches=2, schedule="1f1b")},
+            False,
+            "regression",
+        ),
+    ],
+)
 def test_streaming_trains_the_reference_weights(ray_cluster, cfg, tmp_path, strategy, options, shuffle, task):
     """The validation set streams too: 30 rows in row groups of 7, the same numbers as plain PyTorch."""
     val_data = str(tmp_path / "val.parquet")
@@ -57,8 +71,10 @@ def test_streaming_trains_the_reference_weights(ray_cluster, cfg, tmp_path, stra
     assert 0 < record["bytes_read"] <= cfg.epochs * file_bytes  # each row group once per epoch
     assert 0 <= record["data_wait_fraction"] < 1
     val_x, val_y, _ = tensors(val_data)
-    expected_val = [plain_validation(record["model"], reference_for(with_(cfg, epochs=epoch))[0], val_x, val_y)
-                    for epoch in range(1, cfg.epochs + 1)]
+    expected_val = [
+        plain_validation(record["model"], reference_for(with_(cfg, epochs=epoch))[0], val_x, val_y)
+        for epoch in range(1, cfg.epochs + 1)
+    ]
     # float32 whole-set mean vs float64 chunk sums, of weights equal to float tolerance
     assert record["val_losses"] == pytest.approx([loss for loss, _ in expected_val], rel=1e-5)
 
@@ -84,8 +100,11 @@ def test_bad_rows_stop_the_run_at_their_window_naming_file_and_row_group(ray_clu
     table = pq.read_table(bad / "part-2.parquet")
     features = table.column("features").to_pylist()
     features[12][0] = float("nan")  # row group 2 of part-2
-    write_table(table.set_column(0, "features", pa.array(features, table.schema.field("features").type)),
-                str(bad / "part-2.parquet"), row_group_rows=5)
+    write_table(
+        table.set_column(0, "features", pa.array(features, table.schema.field("features").type)),
+        str(bad / "part-2.parquet"),
+        row_group_rows=5,
+    )
     with pytest.raises(TrainingFailed, match=r"part-2.parquet row group 2: column 'features' has NaN"):
         run_strategy("ddp", with_(cfg, data=str(bad), shuffle=False, checkpoint_every_steps=2), num_workers=2)
     assert list((tmp_path / "run").glob("checkpoint_epoch_000000_step_*"))  # the last good one is kept

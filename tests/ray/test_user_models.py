@@ -1,4 +1,5 @@
 """``--model module.path:callable``: a user's own model, trained by every strategy to the reference."""
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,11 @@ from tests.helpers import (
 def run_and_compare(strategy: str, cfg: TrainConfig, size: int, **pipeline_options) -> dict:
     """Train ``cfg`` with ``strategy`` at ``size`` workers or stages; check the weights, the losses and
     every epoch's validation against plain PyTorch; returns the summary record."""
-    scaling = pipeline.PipelineScaling(num_stages=size, num_microbatches=4, **pipeline_options) \
-        if strategy == "pipeline" else None
+    scaling = (
+        pipeline.PipelineScaling(num_stages=size, num_microbatches=4, **pipeline_options)
+        if strategy == "pipeline"
+        else None
+    )
     summary = run_strategy(strategy, cfg, size, scaling)
     expected_weights, expected_losses = reference_for(cfg)
     assert_same_weights(load_weights(summary.run_dir), expected_weights)
@@ -35,16 +39,20 @@ def run_and_compare(strategy: str, cfg: TrainConfig, size: int, **pipeline_optio
     record = json.loads((Path(summary.run_dir) / "summary.json").read_text())
     build_model(**record["model"]).load_state_dict(load_weights(summary.run_dir))  # the summary alone rebuilds it
     val_x, val_y, _ = tensors(cfg.val_data)
-    expected = [plain_validation(record["model"], reference_for(with_(cfg, epochs=epoch))[0], val_x, val_y)
-                for epoch in range(1, cfg.epochs + 1)]
+    expected = [
+        plain_validation(record["model"], reference_for(with_(cfg, epochs=epoch))[0], val_x, val_y)
+        for epoch in range(1, cfg.epochs + 1)
+    ]
     # float32 whole-set mean vs float64 chunk sums, of weights equal to float tolerance
     assert record["val_losses"] == pytest.approx([loss for loss, _ in expected], rel=1e-5)
     classification = val_y.dtype == torch.int64
     assert record["val_accuracy"] == ([accuracy for _, accuracy in expected] if classification else None)
     best = min(range(cfg.epochs), key=lambda epoch: record["val_losses"][epoch])
     assert record["best_epoch"] == best + 1
-    assert_same_weights(torch.load(Path(summary.run_dir) / "best_model.pt", weights_only=True),
-                        reference_for(with_(cfg, epochs=best + 1))[0])
+    assert_same_weights(
+        torch.load(Path(summary.run_dir) / "best_model.pt", weights_only=True),
+        reference_for(with_(cfg, epochs=best + 1))[0],
+    )
     check_tensorboard(summary.run_dir, record, cfg)
     return record
 
@@ -54,8 +62,12 @@ def check_tensorboard(run_dir: str, record: dict, cfg: TrainConfig) -> None:
     batch's loss (x = global step); TensorBoard stores float32."""
     found = scalars(run_dir)
     epochs = list(range(1, cfg.epochs + 1))
-    for tag, values in (("train/epoch_loss", record["losses"]), ("val/loss", record["val_losses"]),
-                        ("val/accuracy", record["val_accuracy"]), ("lr", [cfg.lr] * cfg.epochs)):
+    for tag, values in (
+        ("train/epoch_loss", record["losses"]),
+        ("val/loss", record["val_losses"]),
+        ("val/accuracy", record["val_accuracy"]),
+        ("lr", [cfg.lr] * cfg.epochs),
+    ):
         if values is None:
             assert tag not in found
             continue
@@ -65,8 +77,10 @@ def check_tensorboard(run_dir: str, record: dict, cfg: TrainConfig) -> None:
     assert all(value > 0 for _, value in found["perf/samples_per_second"])
     steps = 96 // cfg.batch_size
     assert [step for step, _ in found["train/loss"]] == list(range(1, cfg.epochs * steps + 1))
-    per_epoch = [sum(value for step, value in found["train/loss"] if (step - 1) // steps == epoch) / steps
-                 for epoch in range(cfg.epochs)]
+    per_epoch = [
+        sum(value for step, value in found["train/loss"] if (step - 1) // steps == epoch) / steps
+        for epoch in range(cfg.epochs)
+    ]
     assert per_epoch == pytest.approx(record["losses"], rel=1e-6)
 
 
@@ -79,8 +93,8 @@ def scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     for path in sorted((Path(run_dir) / "tensorboard").glob("events.out.tfevents.*")):
         data, offset = path.read_bytes(), 0
         while offset < len(data):
-            (length,) = struct.unpack("<Q", data[offset:offset + 8])
-            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+            (length,) = struct.unpack("<Q", data[offset : offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
             offset += 12 + length + 4
             for value in event.summary.value:
                 found.setdefault(value.tag, []).append((event.step, value.simple_value))
@@ -92,11 +106,21 @@ def user_cfg(user_module, request, tmp_path):
     """The user model's run: its task's training data, 40 validation rows of the same kind."""
     task = getattr(request, "param", "classification")
     val_data = str(tmp_path / "val.parquet")
-    write_table(synthesize(rows=40, in_features=6, out_features=4 if task == "classification" else 3, task=task,
-                           seed=9), val_data)
-    return TrainConfig(model=f"{user_module}:build", model_option=["act=tanh", "bias=true"], hidden=5,
-                       data=request.getfixturevalue(f"{task}_data"), val_data=val_data, epochs=2, batch_size=16,
-                       seed=3, storage_path=str(tmp_path / "runs"))
+    write_table(
+        synthesize(rows=40, in_features=6, out_features=4 if task == "classification" else 3, task=task, seed=9),
+        val_data,
+    )
+    return TrainConfig(
+        model=f"{user_module}:build",
+        model_option=["act=tanh", "bias=true"],
+        hidden=5,
+        data=request.getfixturevalue(f"{task}_data"),
+        val_data=val_data,
+        epochs=2,
+        batch_size=16,
+        seed=3,
+        storage_path=str(tmp_path / "runs"),
+    )
 
 
 @pytest.mark.ray

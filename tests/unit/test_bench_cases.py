@@ -1,4 +1,5 @@
 """What the bench's suites and cases run (no Ray)."""
+
 from __future__ import annotations
 
 from ray_jobs.bench.cases.data_parallel import worker_counts

@@ -1,4 +1,5 @@
 """``python -m ray_jobs.bench``'s command line (no Ray): a bad flag, and ``--render``."""
+
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """``--suite gpu`` without a GPU: its cases registered, its refusal on CPU, and its aggregation,
 targets and report run on canned measurements (no Ray, no GPU)."""
+
 from __future__ import annotations
 
 import itertools
@@ -17,8 +18,11 @@ def test_the_gpu_cases_are_registered_for_the_gpu_suite_only():
     assert suite_cases("gpu") == ["gpu_data_parallel", "gpu_precision", "gpu_pipeline"]
     assert all(name in CASES for name in suite_cases("gpu"))
     assert not set(suite_cases("quick")) & set(suite_cases("gpu"))
-    assert suite_cases("quick") == suite_cases("full") == ["data_parallel", "pipeline", "ingest", "stage_memory",
-                                                           "stream_ingest"]
+    assert (
+        suite_cases("quick")
+        == suite_cases("full")
+        == ["data_parallel", "pipeline", "ingest", "stage_memory", "stream_ingest"]
+    )
     work = SUITES["gpu"].ddp  # issue #22's compute-bound MLP: 256 -> 2048 x6 -> 16, batch 4096
     assert (work.in_features, work.hidden, work.depth, work.out_features, work.batch_size) == (256, 2048, 7, 16, 4096)
 
@@ -60,16 +64,29 @@ def test_the_gpu_cases_aggregate_judge_and_render_canned_runs(monkeypatch):
     monkeypatch.setattr(gpu, "cluster_gpus", lambda: 2)
     monkeypatch.setattr(gpu, "raypar_data_parallel", lambda *_a, **_k: bench.run())
     monkeypatch.setattr(gpu, "run_gpu_pipeline", lambda *_a, **_k: bench.run(transport="p2p_gloo"))
-    results = {"suite": "gpu", "seconds": 1.0,
-               "machine": {"cpu_count": 16, "torch": "t", "ray": "r", "python": "p", "platform": "linux",
-                           "gpus": ["NVIDIA H200", "NVIDIA H200"], "cuda": "13.0"}}
+    results = {
+        "suite": "gpu",
+        "seconds": 1.0,
+        "machine": {
+            "cpu_count": 16,
+            "torch": "t",
+            "ray": "r",
+            "python": "p",
+            "platform": "linux",
+            "gpus": ["NVIDIA H200", "NVIDIA H200"],
+            "cuda": "13.0",
+        },
+    }
     for name in suite_cases("gpu"):
         results[name] = CASES[name](bench, results)
     assert [p["num_gpus"] for p in results["gpu_data_parallel"]["points"]] == [1, 2]
     assert results["gpu_pipeline"]["gpus_per_stage"] == 1.0  # two GPUs: a stage each
     results["targets"], results["plots"] = targets(results), []
     assert [t["name"].split(":")[0] for t in results["targets"]] == [
-        "GPU DDP 1 GPU", "GPU DDP 2 GPU", "GPU bf16 / fp32 samples/s, raypar DDP 1 GPU"]
+        "GPU DDP 1 GPU",
+        "GPU DDP 2 GPU",
+        "GPU bf16 / fp32 samples/s, raypar DDP 1 GPU",
+    ]
     assert all(t["status"] in ("met", "missed", "within noise") for t in results["targets"])
     report = render(results)
     assert "2 GPU (NVIDIA H200, CUDA 13.0)" in report and "## GPU 3. The pipeline over GPUs" in report

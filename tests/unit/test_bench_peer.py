@@ -1,4 +1,5 @@
 """The bench's plain-torch peer (no Ray): it trains exactly what raypar trains."""
+
 from __future__ import annotations
 
 import subprocess
@@ -17,8 +18,9 @@ from tests.helpers import REPO, assert_same_weights, reference_for
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_torch_ddp_peer_with_two_processes_matches_a_single_process_loop(regression_data, shuffle):
     """The peer must train exactly what raypar trains, or the overhead ratio compares different work."""
-    cfg = TrainConfig(model="seed-mlp", hidden=8, data=regression_data, epochs=2, batch_size=16, lr=0.05,
-                      seed=3, shuffle=shuffle)
+    cfg = TrainConfig(
+        model="seed-mlp", hidden=8, data=regression_data, epochs=2, batch_size=16, lr=0.05, seed=3, shuffle=shuffle
+    )
     dataset = read_dataset(regression_data)
     torch.manual_seed(cfg.seed)
     initial = build_model(cfg.model, dataset.in_features, dataset.out_features, hidden=8).state_dict()

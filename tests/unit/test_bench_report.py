@@ -1,4 +1,5 @@
 """The bench's report (no Ray): tables, figures, and bench.md from bench.json."""
+
 from __future__ import annotations
 
 import json
@@ -30,14 +31,23 @@ def test_markdown_table_treats_a_dash_as_a_missing_number():
 
 def test_render_reports_each_target_met_missed_or_not_run():
     ingest = {
-        "rows": 1000, "file_bytes": 2**20,
-        "worker_rss_at_start_bytes": 100 * 2**20, "worker_peak_rss_bytes": 150 * 2**20,
-        "pyarrow_rows_per_second": stats([2e6]), "raypar_rows_per_second": stats([1e6]),
-        "raypar_over_pyarrow": ratio(stats([1e6]), stats([2e6])), "ddp_samples_per_second": stats([1e4]),
+        "rows": 1000,
+        "file_bytes": 2**20,
+        "worker_rss_at_start_bytes": 100 * 2**20,
+        "worker_peak_rss_bytes": 150 * 2**20,
+        "pyarrow_rows_per_second": stats([2e6]),
+        "raypar_rows_per_second": stats([1e6]),
+        "raypar_over_pyarrow": ratio(stats([1e6]), stats([2e6])),
+        "ddp_samples_per_second": stats([1e4]),
         "ingest_over_training": ratio(stats([1e6]), stats([1e4])),
     }
-    results = {"suite": "quick", "seconds": 1.0, "ingest": ingest, "plots": "plots skipped: matplotlib not installed",
-               "machine": {"cpu_count": 2, "torch": "t", "ray": "r", "python": "p", "platform": "x"}}
+    results = {
+        "suite": "quick",
+        "seconds": 1.0,
+        "ingest": ingest,
+        "plots": "plots skipped: matplotlib not installed",
+        "machine": {"cpu_count": 2, "torch": "t", "ray": "r", "python": "p", "platform": "x"},
+    }
     results["targets"] = targets(results)
     text = render(results)
     assert re.search(r"\| ingest rows/s / DDP samples/s +\| >= 5x +\| +100.00 \| met +\|", text)
@@ -47,10 +57,18 @@ def test_render_reports_each_target_met_missed_or_not_run():
 
 
 def test_render_names_the_run_the_hypervisor_slowed_most():
-    machine = {"cpu_count": 2, "torch": "t", "ray": "r", "python": "p", "platform": "x",
-               "steal_by_run": [{"run": "a, run 1", "steal_fraction": 0.01},
-                                {"run": "b, run 1", "steal_fraction": 0.085},
-                                {"run": "b, run 2", "steal_fraction": 0.02}]}
+    machine = {
+        "cpu_count": 2,
+        "torch": "t",
+        "ray": "r",
+        "python": "p",
+        "platform": "x",
+        "steal_by_run": [
+            {"run": "a, run 1", "steal_fraction": 0.01},
+            {"run": "b, run 1", "steal_fraction": 0.085},
+            {"run": "b, run 2", "steal_fraction": 0.02},
+        ],
+    }
     results = {"suite": "quick", "seconds": 1.0, "plots": "none", "machine": machine, "targets": []}
     assert "steal) during the measured runs: median 2.0%, most 8.5% (b, run 1)." in render(results)
 

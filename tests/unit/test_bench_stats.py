@@ -1,4 +1,5 @@
 """The bench's statistics (no Ray): repetitions, ratios, quiet epochs, the pipeline's theory, targets."""
+
 from __future__ import annotations
 
 import pytest
@@ -40,16 +41,21 @@ def test_steady_throughput_drops_each_runs_first_epoch():
 
 
 def test_summarise_pools_every_timed_epoch_of_every_run():
-    runs = [{"samples_per_second": [1.0, 5.0], "wall_s": 10.0, "transport": "p2p_gloo"},
-            {"samples_per_second": [3.0], "wall_s": 12.0, "transport": "p2p_gloo"}]
+    runs = [
+        {"samples_per_second": [1.0, 5.0], "wall_s": 10.0, "transport": "p2p_gloo"},
+        {"samples_per_second": [3.0], "wall_s": 12.0, "transport": "p2p_gloo"},
+    ]
     figures = summarise(runs, text=("transport",))
     assert figures["samples_per_second"] == stats([1.0, 5.0, 3.0])
     assert figures["wall_s"]["median"] == 11.0 and figures["transport"] == "p2p_gloo"
 
 
 def test_summarise_leaves_out_what_a_run_did_not_measure():
-    runs = [{"wall_s": 10.0, "steal_fraction": None, "off_linux": None},
-            {"wall_s": 12.0, "steal_fraction": 0.1}, {"wall_s": 14.0, "steal_fraction": 0.3}]
+    runs = [
+        {"wall_s": 10.0, "steal_fraction": None, "off_linux": None},
+        {"wall_s": 12.0, "steal_fraction": 0.1},
+        {"wall_s": 14.0, "steal_fraction": 0.3},
+    ]
     figures = summarise(runs)
     assert figures["steal_fraction"] == stats([0.1, 0.3]) and "off_linux" not in figures
 
@@ -115,8 +121,10 @@ def test_the_ddp_target_is_judged_on_quiet_epochs_only_when_both_sides_have_enou
     raypar, torch_peer = side([10.0, 50.0], [49.0, 50.0]), side([20.0, 40.0, 50.0], [50.0, 50.5])
     assert quiet_ratio(raypar, torch_peer)["median"] == pytest.approx(49.5 / 50.25)
     assert quiet_ratio(raypar, side([50.0], [50.0])) is None  # one quiet epoch is not enough
-    overhead = {"samples_per_second_ratio": ratio(raypar["samples_per_second"], torch_peer["samples_per_second"]),
-                "quiet_samples_per_second_ratio": quiet_ratio(raypar, torch_peer)}
+    overhead = {
+        "samples_per_second_ratio": ratio(raypar["samples_per_second"], torch_peer["samples_per_second"]),
+        "quiet_samples_per_second_ratio": quiet_ratio(raypar, torch_peer),
+    }
     (ddp,) = [t for t in targets({"data_parallel": {"ddp_overhead": overhead}}) if t["name"].startswith("DDP")]
     assert ddp["name"].endswith("epochs with <= 3% steal") and ddp["status"] == "met"
     overhead["quiet_samples_per_second_ratio"] = None

@@ -1,4 +1,5 @@
 """Entry points: bad input is one ``error:`` line and a non-zero exit, before Ray is touched."""
+
 from __future__ import annotations
 
 import subprocess
@@ -13,12 +14,17 @@ from tests.helpers import REPO
 
 BAD_INPUT = [
     (["--num-workers", "0"], "error: --num-workers must be at least 1, got 0"),
-    (["--num-workers", "4", "--batch-size", "3"], "error: --batch-size 3 is smaller than --num-workers 4: every worker"),
+    (
+        ["--num-workers", "4", "--batch-size", "3"],
+        "error: --batch-size 3 is smaller than --num-workers 4: every worker",
+    ),
     (["--num-workers", "2", "--min-workers", "3"], "error: --min-workers must be between 1 and --num-workers 2, got 3"),
     (["--min-workers", "1"], "error: --min-workers 1 needs --max-failures of at least 1"),
     (["--resize-interval", "5"], "error: --resize-interval applies to an elastic run: give --min-workers"),
-    (["--min-workers", "1", "--max-failures", "1", "--resize-interval", "0"],
-     "error: --resize-interval must be positive, got 0.0"),
+    (
+        ["--min-workers", "1", "--max-failures", "1", "--resize-interval", "0"],
+        "error: --resize-interval must be positive, got 0.0",
+    ),
     (["--model", "vit"], "error: --model 'vit' is unknown; valid models: mlp, seed-linear, seed-mlp, seed-split"),
     (["--model", "seed-linear", "--hidden", "4"], "error: model 'seed-linear' does not take --hidden"),
     (["--epochs", "-1"], "error: --epochs must be at least 1, got -1"),
@@ -67,11 +73,15 @@ def test_unwritable_storage_path(tmp_path, capsys):
 def test_a_real_process_prints_no_traceback(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "ray_jobs.ddp", "--num-workers", "3", "--batch-size", "2"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
-    assert result.stderr.strip() == ("error: --batch-size 2 is smaller than --num-workers 3: every worker needs at "
-                                     "least one row of each global batch")
+    assert result.stderr.strip() == (
+        "error: --batch-size 2 is smaller than --num-workers 3: every worker needs at "
+        "least one row of each global batch"
+    )
     assert "Traceback" not in result.stdout + result.stderr
 
 
@@ -92,7 +102,7 @@ def test_help_groups_flags_as_the_readme_does_each_with_its_default(strategy, ca
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     sections = [line[:-1] for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
-    assert sections[sections.index("data"):] == HELP_SECTIONS[strategy]
+    assert sections[sections.index("data") :] == HELP_SECTIONS[strategy]
     for flag in text.split("\n  --")[1:]:
         assert "(default: " in " ".join(flag.split()), flag  # argparse wraps a flag's help: join it
     readme = (REPO / "README.md").read_text()
@@ -105,5 +115,7 @@ def test_auto_task_says_what_it_chose_and_why(classification_data, tmp_path, cap
     from ray_jobs.driver.prepare import prepare
 
     prepare(TrainConfig(data=classification_data, batch_size=16, storage_path=str(tmp_path)), "ddp")
-    assert ("[raypar] task: classification (column 'target' holds integers; 4 classes from the files' "
-            "raypar.num_classes; --task to choose)") in capsys.readouterr().out
+    assert (
+        "[raypar] task: classification (column 'target' holds integers; 4 classes from the files' "
+        "raypar.num_classes; --task to choose)"
+    ) in capsys.readouterr().out

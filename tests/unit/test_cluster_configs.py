@@ -1,5 +1,6 @@
 """Cluster configs under cluster/: they parse, validate, keep the dashboard private, use token auth,
 and name entry points and flags that exist. Pure: no Ray cluster is started."""
+
 from __future__ import annotations
 
 import functools
@@ -35,8 +36,13 @@ def strings(node) -> list[str]:
 
 def test_the_configs_exist():
     names = {p.relative_to(CLUSTER).as_posix() for p in ALL_YAML}
-    assert {"aws.yaml", "gcp.yaml", "kuberay/raycluster.yaml", "kuberay/rayjob-ddp.yaml",
-            "kuberay/rayjob-pipeline.yaml"} <= names
+    assert {
+        "aws.yaml",
+        "gcp.yaml",
+        "kuberay/raycluster.yaml",
+        "kuberay/rayjob-ddp.yaml",
+        "kuberay/rayjob-pipeline.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("path", ALL_YAML, ids=lambda p: p.relative_to(CLUSTER).as_posix())
@@ -129,8 +135,11 @@ def test_kuberay_every_ray_process_gets_the_token_from_the_secret(path):
 # ---- every config ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", sorted(p for p in CLUSTER.rglob("*") if p.is_file() and "__pycache__" not in p.parts),
-                         ids=lambda p: p.relative_to(CLUSTER).as_posix())
+@pytest.mark.parametrize(
+    "path",
+    sorted(p for p in CLUSTER.rglob("*") if p.is_file() and "__pycache__" not in p.parts),
+    ids=lambda p: p.relative_to(CLUSTER).as_posix(),
+)
 def test_nothing_listens_on_all_interfaces(path):
     assert "0.0.0.0" not in path.read_text(errors="replace")
 
@@ -153,8 +162,9 @@ def commands() -> list[tuple[str, str, str]]:
 
 @functools.lru_cache(maxsize=None)
 def help_text(module: str) -> str:
-    result = subprocess.run([sys.executable, "-m", f"ray_jobs.{module}", "--help"], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", f"ray_jobs.{module}", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout
 

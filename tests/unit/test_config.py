@@ -1,4 +1,5 @@
 """Configuration validation and the flags generated from it."""
+
 from __future__ import annotations
 
 import pytest
@@ -81,8 +82,9 @@ def test_weighted_shard_losses_average_to_the_global_batch_gradient():
 
     reference = gradient(loss_fn(model(x), y))
     rows = torch.arange(32)
-    per_worker = [gradient(loss_fn(model(x[shard(rows, 3, r)]), y[shard(rows, 3, r)]) * shard_weight(32, 3, r))
-                  for r in range(3)]
+    per_worker = [
+        gradient(loss_fn(model(x[shard(rows, 3, r)]), y[shard(rows, 3, r)]) * shard_weight(32, 3, r)) for r in range(3)
+    ]
     unweighted = [gradient(loss_fn(model(x[shard(rows, 3, r)]), y[shard(rows, 3, r)])) for r in range(3)]
     # float32 sums over other groupings of the same 32 rows: rounding only
     torch.testing.assert_close(sum(per_worker) / 3, reference, rtol=1e-5, atol=1e-6)

@@ -1,4 +1,5 @@
 """Parquet data: round trip, synthetic sets, and one clear error per kind of bad input."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -55,16 +56,28 @@ def test_custom_column_names(tmp_path):
 @pytest.mark.parametrize(
     ("columns", "message"),
     [
-        ({"feats": [[1.0]], "target": [[1.0]]}, "column 'features' (--feature-column) is missing; the data has columns: feats, target"),
+        (
+            {"feats": [[1.0]], "target": [[1.0]]},
+            "column 'features' (--feature-column) is missing; the data has columns: feats, target",
+        ),
         ({"features": [[1.0]], "y": [[1.0]]}, "column 'target' (--target-column) is missing"),
-        ({"features": [[1.0, 2.0], [1.0]], "target": [[1.0], [2.0]]}, "column 'features' is ragged: row 0 has 2 values, row 1 has 1"),
-        ({"features": [1.0, 2.0], "target": [[1.0], [2.0]]}, "column 'features' must be a list of floats per row, got double"),
+        (
+            {"features": [[1.0, 2.0], [1.0]], "target": [[1.0], [2.0]]},
+            "column 'features' is ragged: row 0 has 2 values, row 1 has 1",
+        ),
+        (
+            {"features": [1.0, 2.0], "target": [[1.0], [2.0]]},
+            "column 'features' must be a list of floats per row, got double",
+        ),
         ({"features": [["a"]], "target": [[1.0]]}, "column 'features' must hold numbers"),
         ({"features": [[1.0]], "target": ["a"]}, "column 'target' must be a list of floats (regression) or integers"),
         ({"features": [[1.0]], "target": [-1]}, "negative class labels"),
         ({"features": [[1.0], None], "target": [[1.0], [2.0]]}, "column 'features' has 1 null rows"),
         ({"features": [[]], "target": [[1.0]]}, "column 'features' has empty lists"),
-        ({"features": [[1.0], [float("nan")]], "target": [[1.0], [2.0]]}, "column 'features' has NaN or infinite values (first at row 1)"),
+        (
+            {"features": [[1.0], [float("nan")]], "target": [[1.0], [2.0]]},
+            "column 'features' has NaN or infinite values (first at row 1)",
+        ),
         ({"features": [[1.0]], "target": [[float("inf")]]}, "column 'target' has NaN or infinite values"),
     ],
 )
@@ -77,7 +90,9 @@ def test_bad_columns_are_one_line_errors(columns, message):
 
 def test_empty_dataset_is_an_error():
     with pytest.raises(ValueError, match="the dataset has no rows"):
-        table_to_dataset(pa.table({"features": pa.array([], pa.list_(pa.float32())), "target": pa.array([], pa.int64())}))
+        table_to_dataset(
+            pa.table({"features": pa.array([], pa.list_(pa.float32())), "target": pa.array([], pa.int64())})
+        )
 
 
 def test_missing_and_unreadable_paths(tmp_path):
@@ -90,8 +105,26 @@ def test_missing_and_unreadable_paths(tmp_path):
 
 def test_synth_cli(tmp_path, capsys):
     out = str(tmp_path / "s.parquet")
-    assert data_main(["synth", "--out", out, "--rows", "12", "--in-features", "3", "--out-features", "2",
-                      "--task", "classification", "--seed", "5"]) == 0
+    assert (
+        data_main(
+            [
+                "synth",
+                "--out",
+                out,
+                "--rows",
+                "12",
+                "--in-features",
+                "3",
+                "--out-features",
+                "2",
+                "--task",
+                "classification",
+                "--seed",
+                "5",
+            ]
+        )
+        == 0
+    )
     assert read_dataset(out).num_rows == 12
     assert data_main(["synth", "--out", out, "--task", "ranking"]) == 2
     assert "error: --task 'ranking' is unknown" in capsys.readouterr().err
@@ -99,8 +132,9 @@ def test_synth_cli(tmp_path, capsys):
 
 def labels_table(labels: list[int], num_classes: int | None = None) -> pa.Table:
     metadata = {b"raypar.num_classes": str(num_classes).encode()} if num_classes else None
-    return pa.table({"features": [[float(v)] for v in labels], "target": pa.array(labels, pa.int64())},
-                    metadata=metadata)
+    return pa.table(
+        {"features": [[float(v)] for v in labels], "target": pa.array(labels, pa.int64())}, metadata=metadata
+    )
 
 
 def test_num_classes_states_a_class_the_split_lacks():
@@ -119,7 +153,9 @@ def test_num_classes_is_read_from_every_file_of_a_directory(tmp_path):
     pq.write_table(labels_table([1, 2], num_classes=5), tmp_path / "part-1.parquet")
     assert read_dataset(str(tmp_path)).out_features == 5
     pq.write_table(labels_table([0], num_classes=7), tmp_path / "part-2.parquet")
-    with pytest.raises(ValueError, match=r"disagree on raypar.num_classes: .*part-1.parquet says 5, .*part-2.parquet says 7"):
+    with pytest.raises(
+        ValueError, match=r"disagree on raypar.num_classes: .*part-1.parquet says 5, .*part-2.parquet says 7"
+    ):
         read_dataset(str(tmp_path))
 
 

@@ -1,4 +1,5 @@
 """Shared GPUs and batches to the device, decided without a GPU or Ray."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,25 +11,38 @@ from ray_jobs.pipeline.scaling import PipelineScaling
 from ray_jobs.pipeline.transports import resolve_transport
 
 
-@pytest.mark.parametrize(("num_workers", "gpus_per_worker", "gpus_per_node", "shared"), [
-    # the issue's run: two workers at 0.5 on one GPU (nccl failed after 57 s)
-    (2, 0.5, 1, "--num-workers 2 with --gpus-per-worker 0.5 on nodes of 1 GPU: they share GPUs"),
-    # fractions Ray packs onto one device even where there are GPUs enough for one each
-    (2, 0.5, 8, "--num-workers 2 with --gpus-per-worker 0.5: Ray packs fractions onto one GPU, so they may share one"),
-    (4, 0.25, 2, "--num-workers 4 with --gpus-per-worker 0.25 on nodes of 2 GPU: they share GPUs"),
-    (3, 0.5, None, "--num-workers 3 with --gpus-per-worker 0.5: Ray packs fractions onto one GPU, so they may share one"),
-    # more workers than a node's GPUs, but two fractions of 0.6 never fit on one device
-    (4, 0.6, 2, None),
-    # whole GPUs: each worker its own device; more workers than GPUs is the resource preflight's refusal
-    (2, 1.0, 1, None),
-    (8, 1.0, 8, None),
-    (2, 2.0, 8, None),
-    # one worker has no peer to share with, whatever its fraction
-    (1, 0.25, 1, None),
-    # CPU workers
-    (4, None, None, None),
-    (4, 0.0, 0, None),
-])
+@pytest.mark.parametrize(
+    ("num_workers", "gpus_per_worker", "gpus_per_node", "shared"),
+    [
+        # the issue's run: two workers at 0.5 on one GPU (nccl failed after 57 s)
+        (2, 0.5, 1, "--num-workers 2 with --gpus-per-worker 0.5 on nodes of 1 GPU: they share GPUs"),
+        # fractions Ray packs onto one device even where there are GPUs enough for one each
+        (
+            2,
+            0.5,
+            8,
+            "--num-workers 2 with --gpus-per-worker 0.5: Ray packs fractions onto one GPU, so they may share one",
+        ),
+        (4, 0.25, 2, "--num-workers 4 with --gpus-per-worker 0.25 on nodes of 2 GPU: they share GPUs"),
+        (
+            3,
+            0.5,
+            None,
+            "--num-workers 3 with --gpus-per-worker 0.5: Ray packs fractions onto one GPU, so they may share one",
+        ),
+        # more workers than a node's GPUs, but two fractions of 0.6 never fit on one device
+        (4, 0.6, 2, None),
+        # whole GPUs: each worker its own device; more workers than GPUs is the resource preflight's refusal
+        (2, 1.0, 1, None),
+        (8, 1.0, 8, None),
+        (2, 2.0, 8, None),
+        # one worker has no peer to share with, whatever its fraction
+        (1, 0.25, 1, None),
+        # CPU workers
+        (4, None, None, None),
+        (4, 0.0, 0, None),
+    ],
+)
 def test_which_runs_share_a_gpu(num_workers, gpus_per_worker, gpus_per_node, shared):
     assert gpu_sharing(num_workers, gpus_per_worker, gpus_per_node) == shared
 
@@ -41,12 +55,17 @@ def test_stages_sharing_a_gpu_go_over_p2p_and_refuse_nccl():
     assert resolve_transport(PipelineScaling(num_stages=2, use_gpu=True, gpus_per_stage=0.6), ["a", "a"]) == "compiled"
     from ray_jobs.core.config import TrainConfig
 
-    with pytest.raises(ValueError, match=r"--transport compiled cannot connect stages that share a GPU "
-                                         r"\(--num-stages 2 with --gpus-per-stage 0.5: .*use --transport p2p"):
-        PipelineScaling(num_stages=2, use_gpu=True, gpus_per_stage=0.5, transport="compiled").check(TrainConfig(
-            model="seed-split"))
+    with pytest.raises(
+        ValueError,
+        match=r"--transport compiled cannot connect stages that share a GPU "
+        r"\(--num-stages 2 with --gpus-per-stage 0.5: .*use --transport p2p",
+    ):
+        PipelineScaling(num_stages=2, use_gpu=True, gpus_per_stage=0.5, transport="compiled").check(
+            TrainConfig(model="seed-split")
+        )
     PipelineScaling(num_stages=2, use_gpu=True, gpus_per_stage=0.5, transport="actor_calls").check(
-        TrainConfig(model="seed-split"))  # the object store carries any tensor
+        TrainConfig(model="seed-split")
+    )  # the object store carries any tensor
 
 
 def test_gpus_per_stage_needs_gpus():
@@ -87,8 +106,9 @@ def test_rows_stay_on_the_host_when_they_do_not_fit_the_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize(("gpus_per_worker", "backend"), [(0.5, "gloo"), (1.0, None)])
-def test_ddp_workers_that_may_share_a_gpu_all_reduce_over_gloo_and_say_so(gpus_per_worker, backend, monkeypatch,
-                                                                           capsys):
+def test_ddp_workers_that_may_share_a_gpu_all_reduce_over_gloo_and_say_so(
+    gpus_per_worker, backend, monkeypatch, capsys
+):
     from ray_jobs.core.config import WorkerScaling
     from ray_jobs.data_parallel import trainer as train_workers
 
@@ -96,7 +116,12 @@ def test_ddp_workers_that_may_share_a_gpu_all_reduce_over_gloo_and_say_so(gpus_p
     scaling = WorkerScaling(num_workers=2, use_gpu=True, gpus_per_worker=gpus_per_worker)
     assert train_workers._process_group(scaling).backend == backend  # None: Ray Train's nccl on GPUs
     said = capsys.readouterr().out.strip().splitlines()
-    assert said == ([] if backend is None else [
-        "[raypar] --num-workers 2 with --gpus-per-worker 0.5 on nodes of 1 GPU: they share GPUs; nccl cannot run "
-        "two ranks on one GPU, so the workers all-reduce over gloo (through host memory, slower; "
-        "--gpus-per-worker 1 gives each its own GPU and nccl)"])
+    assert said == (
+        []
+        if backend is None
+        else [
+            "[raypar] --num-workers 2 with --gpus-per-worker 0.5 on nodes of 1 GPU: they share GPUs; nccl cannot run "
+            "two ranks on one GPU, so the workers all-reduce over gloo (through host memory, slower; "
+            "--gpus-per-worker 1 gives each its own GPU and nccl)"
+        ]
+    )

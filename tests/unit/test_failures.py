@@ -1,4 +1,5 @@
 """A failure's one line: where it happened, then what, found under any of Ray's wrapping."""
+
 from __future__ import annotations
 
 import torch

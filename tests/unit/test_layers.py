@@ -30,8 +30,12 @@ RANKS = {
 }
 ENTRY_POINTS = {"ray_jobs.ddp", "ray_jobs.dp"}  # plus every __main__ and the bench, a harness of entry points
 # What runs inside a Ray Train worker, a stage actor or the stream's reader actor.
-WORKER_SIDE = ["ray_jobs.data_parallel.worker", "ray_jobs.data_parallel.wrap", "ray_jobs.pipeline.stage",
-               "ray_jobs.data.stream"]
+WORKER_SIDE = [
+    "ray_jobs.data_parallel.worker",
+    "ray_jobs.data_parallel.wrap",
+    "ray_jobs.pipeline.stage",
+    "ray_jobs.data.stream",
+]
 NO_RAY_ROOMS = ("models", "core")
 
 
@@ -52,7 +56,9 @@ def imports(path: Path) -> set[str]:
     return found
 
 
-GRAPH = {module_name(path): imports(path) for folder in ("ray_jobs", "models") for path in (REPO / folder).rglob("*.py")}
+GRAPH = {
+    module_name(path): imports(path) for folder in ("ray_jobs", "models") for path in (REPO / folder).rglob("*.py")
+}
 
 
 def room(module: str) -> str | None:
@@ -115,5 +121,7 @@ def test_worker_side_never_reaches_driver_code(module):
 
 @pytest.mark.parametrize("module", sorted(m for m in GRAPH if room(m) in NO_RAY_ROOMS))
 def test_models_and_core_use_no_ray(module):
-    banned = sorted(name for name in GRAPH[module] if name.split(".")[0] == "ray" or name.startswith("torch.distributed"))
+    banned = sorted(
+        name for name in GRAPH[module] if name.split(".")[0] == "ray" or name.startswith("torch.distributed")
+    )
     assert not banned, f"{module} imports {banned}"

@@ -1,4 +1,5 @@
 """The model registry and stage splitting: pure torch, no Ray."""
+
 from __future__ import annotations
 
 import ast
@@ -97,7 +98,10 @@ def test_mlp_split_is_balanced_by_parameter_count():
     model = build_model("mlp", 1000, 2, hidden=8, depth=4)
     stages = split_into_stages(model, 2)
     assert list(stages[0].state_dict()) == ["fc0.weight", "fc0.bias"]
-    sizes = [sum(p.numel() for p in s.parameters()) for s in split_into_stages(build_model("mlp", 8, 8, hidden=8, depth=8), 4)]
+    sizes = [
+        sum(p.numel() for p in s.parameters())
+        for s in split_into_stages(build_model("mlp", 8, 8, hidden=8, depth=8), 4)
+    ]
     assert sizes == [sizes[0]] * 4
 
 
@@ -106,20 +110,29 @@ def test_split_by_unit_costs_balances_those_instead():
     assert unit_names(model) == [["fc0", "relu0"], ["fc1", "relu1"], ["fc2", "relu2"], ["fc3"]]
     stages = split_into_stages(model, 2, unit_costs=[1.0, 1.0, 1.0, 3.0])
     assert [list(dict(stage.named_children())) for stage in stages] == [
-        ["fc0", "relu0", "fc1", "relu1", "fc2", "relu2"], ["fc3"]]
+        ["fc0", "relu0", "fc1", "relu1", "fc2", "relu2"],
+        ["fc3"],
+    ]
     with pytest.raises(ValueError, match="3 unit costs for a model of 4 units"):
         split_into_stages(model, 2, unit_costs=[1.0, 1.0, 1.0])
 
 
 def test_unit_seconds_times_every_unit_and_leaves_no_gradients():
-    model = torch.nn.Sequential(torch.nn.Unflatten(1, (1, 6)), torch.nn.Conv1d(1, 4, 3, padding=1), torch.nn.ReLU(),
-                                torch.nn.Flatten(), torch.nn.Linear(24, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Unflatten(1, (1, 6)),
+        torch.nn.Conv1d(1, 4, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(24, 2),
+    )
     seconds = unit_seconds(model, torch.randn(5, 6), repeats=2)
     assert len(seconds) == len(unit_names(model)) == 3 and all(s > 0 for s in seconds)
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize(("depth", "num_stages", "message"), [(3, 4, "more than the model's 3 layers"), (3, 0, "positive")])
+@pytest.mark.parametrize(
+    ("depth", "num_stages", "message"), [(3, 4, "more than the model's 3 layers"), (3, 0, "positive")]
+)
 def test_split_errors(depth, num_stages, message):
     with pytest.raises(ValueError, match=message):
         split_into_stages(build_model("mlp", 4, 2, depth=depth), num_stages)

@@ -1,5 +1,6 @@
 """--precision in one process: autocast around the forward and loss, float32 weights and optimizer
 state, fp16's gradient scaler in the checkpoint, a stage skipping another's overflowed step."""
+
 from __future__ import annotations
 
 import pytest
@@ -77,13 +78,19 @@ def test_data_parallel_replicas_autocast_in_the_runs_dtype():
     assert seen == [torch.bfloat16]
 
 
-@pytest.mark.parametrize(("main", "argv", "message"), [
-    (ddp.main, [], "error: --precision fp16 needs GPUs (--use-gpu); on CPUs use --precision bf16"),
-    (dp.main, [], "error: --precision fp16 needs GPUs (--gpus); on CPUs use --precision bf16"),
-    (pipeline.main, [], "error: --precision fp16 needs GPUs (--use-gpu); on CPUs use --precision bf16"),
-    (pipeline.main, ["--use-gpu", "--transport", "compiled"],
-     "error: --precision fp16 on the pipeline needs --transport p2p, not compiled"),
-])
+@pytest.mark.parametrize(
+    ("main", "argv", "message"),
+    [
+        (ddp.main, [], "error: --precision fp16 needs GPUs (--use-gpu); on CPUs use --precision bf16"),
+        (dp.main, [], "error: --precision fp16 needs GPUs (--gpus); on CPUs use --precision bf16"),
+        (pipeline.main, [], "error: --precision fp16 needs GPUs (--use-gpu); on CPUs use --precision bf16"),
+        (
+            pipeline.main,
+            ["--use-gpu", "--transport", "compiled"],
+            "error: --precision fp16 on the pipeline needs --transport p2p, not compiled",
+        ),
+    ],
+)
 def test_fp16_without_gpus_is_one_error_line_before_ray(main, argv, message, capsys, tmp_path):
     assert main(["--precision", "fp16", *argv, "--storage-path", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
@@ -100,8 +107,16 @@ def test_the_reference_autocasts_only_when_asked(regression_data):
     from tests.helpers import tensors
 
     features, targets, out_features = tensors(regression_data)
-    kwargs = dict(model="seed-linear", features=features, targets=targets, out_features=out_features, epochs=1,
-                  batch_size=16, lr=0.05, seed=0)
+    kwargs = dict(
+        model="seed-linear",
+        features=features,
+        targets=targets,
+        out_features=out_features,
+        epochs=1,
+        batch_size=16,
+        lr=0.05,
+        seed=0,
+    )
     assert_same_weights(reference_train(**kwargs)[0], reference_train(precision="fp32", **kwargs)[0], exact=True)
 
 

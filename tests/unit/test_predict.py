@@ -1,4 +1,5 @@
 """``python -m ray_jobs.predict``: bad input is one ``error:`` line, before Ray."""
+
 from __future__ import annotations
 
 from ray_jobs.predict import job as predict
@@ -15,8 +16,12 @@ def test_bad_input_is_one_error_line(tmp_path, capsys, regression_data):
         (["--data", regression_data], "error: --run-dir is required"),
     ]
     (tmp_path / "run" / "best_model.pt").unlink()
-    cases.append((["--run-dir", str(tmp_path / "run"), "--checkpoint", "best"],
-                  f"error: --run-dir {tmp_path / 'run'} has no best_model.pt (the run had no --val-data)"))
+    cases.append(
+        (
+            ["--run-dir", str(tmp_path / "run"), "--checkpoint", "best"],
+            f"error: --run-dir {tmp_path / 'run'} has no best_model.pt (the run had no --val-data)",
+        )
+    )
     for argv, message in cases:
         full = {"--run-dir": str(tmp_path / "run"), "--data": regression_data, "--out": str(tmp_path / "o.parquet")}
         full.update(dict(zip(argv[::2], argv[1::2])))
@@ -29,7 +34,18 @@ def test_bad_input_is_one_error_line(tmp_path, capsys, regression_data):
     from ray_jobs.data.parquet import synthesize, write_table
 
     write_table(synthesize(8, 5, 3, "regression", seed=0), str(tmp_path / "five.parquet"))
-    assert predict.main(["--run-dir", str(tmp_path / "run"), "--data", str(tmp_path / "five.parquet"),
-                         "--out", str(tmp_path / "o.parquet")]) == 2
+    assert (
+        predict.main(
+            [
+                "--run-dir",
+                str(tmp_path / "run"),
+                "--data",
+                str(tmp_path / "five.parquet"),
+                "--out",
+                str(tmp_path / "o.parquet"),
+            ]
+        )
+        == 2
+    )
     assert "has 5 features per row; the model takes 6" in capsys.readouterr().err
     assert not (tmp_path / "o.parquet").exists()

@@ -1,5 +1,6 @@
 """Re-running a name: the first attempt's settings hold, what may change is named, no Ray needed
 (the checks run before Ray is touched)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,8 +44,22 @@ CHANGES = {
     "memory_ingest_limit_mb": (["--memory-ingest-limit-mb", "10"], "--memory-ingest-limit-mb 1024.0 -> 10.0"),
     "shuffle_window_rows": (["--shuffle-window-rows", "100"], "--shuffle-window-rows 65536 -> 100"),
 }
-BASE = ["--model", "seed-mlp", "--hidden", "8", "--epochs", "3", "--batch-size", "16", "--seed", "11",
-        "--momentum", "0.9", "--name", "run"]
+BASE = [
+    "--model",
+    "seed-mlp",
+    "--hidden",
+    "8",
+    "--epochs",
+    "3",
+    "--batch-size",
+    "16",
+    "--seed",
+    "11",
+    "--momentum",
+    "0.9",
+    "--name",
+    "run",
+]
 
 
 def test_every_setting_is_classified():
@@ -56,12 +71,23 @@ def test_every_setting_is_classified():
 def started(regression_data, tmp_path):
     """A run that completed 2 of 3 epochs: its run.json and its checkpoints, as a strategy leaves them."""
     argv = [*BASE, "--data", regression_data, "--storage-path", str(tmp_path / "runs")]
-    cfg = TrainConfig(model="seed-mlp", hidden=8, epochs=3, batch_size=16, seed=11, momentum=0.9, name="run",
-                      data=regression_data, storage_path=str(tmp_path / "runs"))
+    cfg = TrainConfig(
+        model="seed-mlp",
+        hidden=8,
+        epochs=3,
+        batch_size=16,
+        seed=11,
+        momentum=0.9,
+        name="run",
+        data=regression_data,
+        storage_path=str(tmp_path / "runs"),
+    )
     prepared = prepare(cfg, "ddp")
     for epochs in (1, 2):
-        write_checkpoint(os.path.join(prepared.run_dir, checkpoint_name(epochs)),
-                         TrainState(prepared.initial_state, {}, epochs, [1.0] * epochs))
+        write_checkpoint(
+            os.path.join(prepared.run_dir, checkpoint_name(epochs)),
+            TrainState(prepared.initial_state, {}, epochs, [1.0] * epochs),
+        )
     return argv, cfg, prepared.run_dir
 
 
@@ -99,9 +125,16 @@ def test_every_difference_is_listed_at_once(started, capsys):
 
 def test_operational_flags_and_more_epochs_may_change(started):
     _, cfg, run_dir = started
-    changed = dataclasses.replace(cfg, epochs=5, max_failures=2, resource_timeout=5.0, checkpoint_every=2,
-                                  checkpoint_every_steps=3,
-                                  num_checkpoints_to_keep=4, data=os.path.relpath(cfg.data))  # same file
+    changed = dataclasses.replace(
+        cfg,
+        epochs=5,
+        max_failures=2,
+        resource_timeout=5.0,
+        checkpoint_every=2,
+        checkpoint_every_steps=3,
+        num_checkpoints_to_keep=4,
+        data=os.path.relpath(cfg.data),
+    )  # same file
     assert check_rerun(changed, "run", run_dir) == 2
 
 

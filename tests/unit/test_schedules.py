@@ -1,4 +1,5 @@
 """Pipeline schedules: complete, dependency-ordered, and within 1F1B's memory bound."""
+
 from __future__ import annotations
 
 import pytest
@@ -80,8 +81,10 @@ def test_bad_sizes(bad):
 def _replay(name: str, num_stages: int, num_microbatches: int, forward, backward, num_batches=3, step=0.0):
     """Replay ``num_batches`` batches where stage s's forward takes forward[s] and backward backward[s]."""
     schedules = SCHEDULES[name](num_stages, num_microbatches)
-    ops = [[(forward if op.kind == FORWARD else backward)[s] for op in ops] * num_batches
-           for s, ops in enumerate(schedules)]
+    ops = [
+        [(forward if op.kind == FORWARD else backward)[s] for op in ops] * num_batches
+        for s, ops in enumerate(schedules)
+    ]
     return replayed_bubble(schedules, ops, [[step] * num_batches for _ in range(num_stages)])
 
 
@@ -125,7 +128,9 @@ def test_median_ops_replay_is_the_cut_without_the_jitter_of_single_ops():
     assert replayed_bubble(schedules, *typical_durations(schedules, jittered, steps)) == pytest.approx(1 / 5)
     assert replayed_bubble(schedules, jittered, steps) > 1 / 5
     # an uneven cut stays uneven: each stage keeps its own medians, per kind and per step
-    uneven = [[1.0 if op.kind == FORWARD else 2.0 for op in schedules[0]] * 3,
-              [1.5 if op.kind == FORWARD else 3.0 for op in schedules[1]] * 3]
+    uneven = [
+        [1.0 if op.kind == FORWARD else 2.0 for op in schedules[0]] * 3,
+        [1.5 if op.kind == FORWARD else 3.0 for op in schedules[1]] * 3,
+    ]
     ops, typical_steps = typical_durations(schedules, uneven, [[0.1, 0.3, 0.2], [0.5, 0.5, 0.5]])
     assert ops == uneven and typical_steps == [[0.2] * 3, [0.5] * 3]

@@ -1,4 +1,5 @@
 """A pipeline stage holds its own layers only: built on the meta device, sent only its slice. No Ray."""
+
 from __future__ import annotations
 
 import subprocess
@@ -48,8 +49,14 @@ def test_building_a_stage_never_builds_the_whole_model():
     )
 
     def growth(hidden: int) -> float:
-        result = subprocess.run([sys.executable, "-c", script, str(hidden)], cwd=REPO, capture_output=True,
-                                text=True, timeout=120, check=True)
+        result = subprocess.run(
+            [sys.executable, "-c", script, str(hidden)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         return float(result.stdout)
 
     assert growth(4096) - growth(64) < 64  # measured 32: the slice; building the whole model first added 448

@@ -1,5 +1,6 @@
 """Streaming ingest before Ray: the driver reads metadata only, picks the ingest mode by size, and
 refuses what the metadata can tell is wrong; resharding keeps every row."""
+
 from __future__ import annotations
 
 import pyarrow as pa
@@ -38,11 +39,17 @@ def test_the_driver_reads_metadata_only(cfg, monkeypatch, capsys):
 def test_auto_ingest_picks_by_uncompressed_size(cfg, capsys, monkeypatch):
     read_metadata = stream._metadata
     assert prepare(with_(cfg, ingest="auto"), "ddp").dataset.ingest == "memory"
-    assert "ingest: memory (the data is 0.0 MiB uncompressed, at most --memory-ingest-limit-mb 1024)" in \
-        capsys.readouterr().out
+    assert (
+        "ingest: memory (the data is 0.0 MiB uncompressed, at most --memory-ingest-limit-mb 1024)"
+        in capsys.readouterr().out
+    )
     footers = []
-    monkeypatch.setattr(stream, "_metadata", lambda filesystem, file: footers.append(file) or read_metadata(filesystem, file))
-    assert prepare(with_(cfg, ingest="auto", memory_ingest_limit_mb=0.001, name="small"), "ddp").dataset.ingest == "stream"
+    monkeypatch.setattr(
+        stream, "_metadata", lambda filesystem, file: footers.append(file) or read_metadata(filesystem, file)
+    )
+    assert (
+        prepare(with_(cfg, ingest="auto", memory_ingest_limit_mb=0.001, name="small"), "ddp").dataset.ingest == "stream"
+    )
     assert len(footers) == len(set(footers)) == 3  # each file's footer read once, for the size and the plan
 
 
@@ -53,8 +60,11 @@ def test_what_the_metadata_can_tell_is_found_before_training(tmp_path, cfg):
         prepare(with_(cfg, data=str(tmp_path)), "ddp")
     nulls = tmp_path / "nulls"
     nulls.mkdir()
-    write_table(pa.table({"features": [[1.0]] * 4, "target": pa.array([0, None, 1, 1], pa.int64())}),
-                str(nulls / "n.parquet"), row_group_rows=2)
+    write_table(
+        pa.table({"features": [[1.0]] * 4, "target": pa.array([0, None, 1, 1], pa.int64())}),
+        str(nulls / "n.parquet"),
+        row_group_rows=2,
+    )
     with pytest.raises(ValueError, match=r"n.parquet row group 0: column 'target' has 1 null rows"):
         prepare(with_(cfg, data=str(nulls), batch_size=2), "ddp")
 
@@ -77,4 +87,8 @@ def test_classes_come_from_the_row_groups_statistics_without_reading_the_labels(
     labels = pa.array([0, 2, 1, 5, 3, 1], pa.int64())  # no raypar.num_classes metadata: K from max 5
     write_table(pa.table({"features": [[1.0]] * 6, "target": labels}), str(tmp_path / "c.parquet"), row_group_rows=2)
     dataset = prepare(with_(cfg, data=str(tmp_path / "c.parquet"), batch_size=2), "ddp").dataset
-    assert (dataset.task, dataset.num_classes, [b.label_max for b in dataset.blocks]) == ("classification", 6, [2, 5, 3])
+    assert (dataset.task, dataset.num_classes, [b.label_max for b in dataset.blocks]) == (
+        "classification",
+        6,
+        [2, 5, 3],
+    )

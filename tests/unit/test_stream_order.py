@@ -1,4 +1,5 @@
 """Order contract v2 (``--ingest stream``), checked against the specification written out by hand."""
+
 from __future__ import annotations
 
 import torch
@@ -38,8 +39,10 @@ def test_windows_and_block_order_as_specified():
 def test_every_worker_count_trains_on_the_same_batches():
     order = stream_epoch_order(BLOCKS, SEED, 1, True, WINDOW)
     for num_workers in (1, 2, 4):
-        seen = [torch.cat([shard(batch, num_workers, rank) for rank in range(num_workers)])
-                for batch in global_batches(order, 16)]
+        seen = [
+            torch.cat([shard(batch, num_workers, rank) for rank in range(num_workers)])
+            for batch in global_batches(order, 16)
+        ]
         assert torch.equal(torch.cat(seen), order[: len(order) // 16 * 16])
 
 

@@ -1,4 +1,5 @@
 """Ray Train settings raypar applies around a fit (no Ray needed)."""
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """``--model module.path:callable`` before Ray: options, building, cutting, the one-line errors,
 the layers DDP cannot match, and validation's bits for any worker count."""
+
 from __future__ import annotations
 
 import pyarrow as pa
@@ -19,7 +20,13 @@ from ray_jobs.pipeline import trainer as pipeline
 
 def test_model_options_parse_as_int_float_bool_or_string():
     assert parse_model_options(["hidden=8", "scale=0.5", "bias=false", "norm=True", "act=gelu", "tag="]) == {
-        "hidden": 8, "scale": 0.5, "bias": False, "norm": True, "act": "gelu", "tag": ""}
+        "hidden": 8,
+        "scale": 0.5,
+        "bias": False,
+        "norm": True,
+        "act": "gelu",
+        "tag": "",
+    }
 
 
 def test_hidden_is_short_for_a_model_option():
@@ -48,8 +55,10 @@ def test_split_cuts_any_sequential_between_its_top_level_children(user_module):
 
 
 def test_split_says_what_a_model_must_be(user_module):
-    with pytest.raises(ValueError, match="cuts a model between the children of an nn.Sequential; the model is a "
-                                         "Residual: return an nn.Sequential"):
+    with pytest.raises(
+        ValueError,
+        match="cuts a model between the children of an nn.Sequential; the model is a Residual: return an nn.Sequential",
+    ):
         split_into_stages(build_model(f"{user_module}:Residual", 6, 3), 2)
 
 
@@ -59,19 +68,37 @@ def test_layers_data_parallelism_cannot_match_are_named(user_module):
     assert not_reproducible_layers(build_model("mlp", 6, 3, dropout=0.0)) == []
 
 
-@pytest.mark.parametrize(("model", "options", "message"), [
-    ("nosuch_module_xyz:thing", [], "error: --model nosuch_module_xyz:thing: no module 'nosuch_module_xyz' in the "
-                                    "working directory"),
-    ("{module}:missing", [], "error: --model {module}:missing: module {module} ("),
-    ("{module}:ACTIVATIONS", [], "has a non-callable 'ACTIVATIONS'; name a function or class"),
-    ("{module}:not_a_model", [], "error: --model {module}:not_a_model: (6, 3) returned int, not a torch.nn.Module"),
-    ("{module}:fails", [], "error: --model {module}:fails: calling it as (6, 3) raised RuntimeError: widths too small"),
-    ("{module}:build", ["--model-option", "width=3"], "raised TypeError: build() got an unexpected keyword"),
-    ("{module}:build", ["--model-option", "hidden"], "error: --model-option 'hidden' must be KEY=VALUE"),
-    ("{module}:build", ["--model-option", "hidden=3", "--hidden", "4"], "error: --hidden and --model-option hidden"),
-    ("{module}", [], "error: --model '{module}' is unknown; valid models: mlp, seed-linear, seed-mlp, seed-split, "
-                     "or module.path:callable"),
-])
+@pytest.mark.parametrize(
+    ("model", "options", "message"),
+    [
+        (
+            "nosuch_module_xyz:thing",
+            [],
+            "error: --model nosuch_module_xyz:thing: no module 'nosuch_module_xyz' in the working directory",
+        ),
+        ("{module}:missing", [], "error: --model {module}:missing: module {module} ("),
+        ("{module}:ACTIVATIONS", [], "has a non-callable 'ACTIVATIONS'; name a function or class"),
+        ("{module}:not_a_model", [], "error: --model {module}:not_a_model: (6, 3) returned int, not a torch.nn.Module"),
+        (
+            "{module}:fails",
+            [],
+            "error: --model {module}:fails: calling it as (6, 3) raised RuntimeError: widths too small",
+        ),
+        ("{module}:build", ["--model-option", "width=3"], "raised TypeError: build() got an unexpected keyword"),
+        ("{module}:build", ["--model-option", "hidden"], "error: --model-option 'hidden' must be KEY=VALUE"),
+        (
+            "{module}:build",
+            ["--model-option", "hidden=3", "--hidden", "4"],
+            "error: --hidden and --model-option hidden",
+        ),
+        (
+            "{module}",
+            [],
+            "error: --model '{module}' is unknown; valid models: mlp, seed-linear, seed-mlp, seed-split, "
+            "or module.path:callable",
+        ),
+    ],
+)
 def test_bad_models_are_one_error_line(user_module, regression_data, tmp_path, capsys, model, options, message):
     model, message = model.format(module=user_module), message.format(module=user_module)
     argv = ["--model", model, *options, "--data", regression_data, "--storage-path", str(tmp_path / "runs")]
@@ -103,8 +130,10 @@ def test_validation_is_the_same_bits_for_any_worker_count(monkeypatch):
     model = build_model("mlp", 6, 4, hidden=8, depth=3)
     whole = validation.validate(model, val, torch.device("cpu"))
     for world_size in (1, 2, 3):
-        shares = [validation.chunk_sums(model, val, validation.my_chunks(val, rank, world_size), torch.device("cpu"))
-                  for rank in range(world_size)]
+        shares = [
+            validation.chunk_sums(model, val, validation.my_chunks(val, rank, world_size), torch.device("cpu"))
+            for rank in range(world_size)
+        ]
         assert validation.combine({k: v for share in shares for k, v in share.items()}, val) == whole
     x, y = val.tensors()
     with torch.no_grad():
@@ -118,8 +147,9 @@ def test_a_streamed_validation_set_gives_the_same_bits_as_in_memory(monkeypatch,
     the row groups under its chunks."""
     monkeypatch.setattr(validation, "CHUNK_ROWS", 16)
     path = str(tmp_path / "val.parquet")
-    write_table(synthesize(rows=70, in_features=6, out_features=4, task="classification", seed=5), path,
-                row_group_rows=7)
+    write_table(
+        synthesize(rows=70, in_features=6, out_features=4, task="classification", seed=5), path, row_group_rows=7
+    )
     train = table_to_dataset(synthesize(rows=8, in_features=6, out_features=4, task="classification", seed=6))
     in_memory = validation.read_val_data(path, "features", "target", train)
     streamed = validation.read_val_data(path, "features", "target", train, stream=True)
@@ -129,8 +159,12 @@ def test_a_streamed_validation_set_gives_the_same_bits_as_in_memory(monkeypatch,
     whole = validation.validate(model, in_memory, torch.device("cpu"))
     assert validation.validate(model, streamed, torch.device("cpu")) == whole
     for world_size in (2, 3):
-        shares = [validation.chunk_sums(model, streamed, validation.my_chunks(streamed, rank, world_size),
-                                        torch.device("cpu")) for rank in range(world_size)]
+        shares = [
+            validation.chunk_sums(
+                model, streamed, validation.my_chunks(streamed, rank, world_size), torch.device("cpu")
+            )
+            for rank in range(world_size)
+        ]
         assert validation.combine({k: v for share in shares for k, v in share.items()}, streamed) == whole
 
 
@@ -156,15 +190,17 @@ def test_val_data_must_match_the_training_data(regression_data, classification_d
 
 
 def test_ddp_warns_once_naming_the_layers_it_cannot_match(user_module, regression_data, tmp_path):
-    cfg = TrainConfig(model=f"{user_module}:with_layers_ddp_cannot_match", data=regression_data,
-                      storage_path=str(tmp_path))
+    cfg = TrainConfig(
+        model=f"{user_module}:with_layers_ddp_cannot_match", data=regression_data, storage_path=str(tmp_path)
+    )
     prepared = prepare(cfg, "ddp")
     with pytest.warns(UserWarning) as caught:
         warn_not_reproducible(cfg, prepared.dataset, prepared.model_factory, "DDP")
     assert len(caught) == 1
     assert str(caught[0].message) == (
         "DDP trains this model but cannot match single-process weights: 1 (BatchNorm1d) normalises over each "
-        "worker's shard of the batch, not the global batch; 2 (Dropout) draws a random mask on each worker")
+        "worker's shard of the batch, not the global batch; 2 (Dropout) draws a random mask on each worker"
+    )
     with pytest.warns(UserWarning, match="2 \\(Dropout\\)") as caught:  # SyncBatchNorm (GPU) covers BatchNorm
         warn_not_reproducible(cfg, prepared.dataset, prepared.model_factory, "DDP", (nn.modules.batchnorm._BatchNorm,))
     assert "BatchNorm" not in str(caught[0].message)

@@ -2,6 +2,7 @@
 its suite, data files and log) and of the results of the cases run before it; it returns its
 section of ``bench.json``. A new case is a module here and an entry in ``CASES``, plus its section
 in ``report.py`` and any target in ``stats.targets``."""
+
 from __future__ import annotations
 
 from collections.abc import Callable

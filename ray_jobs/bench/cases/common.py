@@ -1,6 +1,7 @@
 """What every case uses: the bench run's state (suite, data files, scratch storage, each run's CPU
 steal), one repetition's measurement, and one run of the plain-torch peer, which both the DDP
 and the pipeline cases compare with."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,27 +31,36 @@ class Bench:
         self.ddp_data = os.path.join(out, "data", "ddp.parquet")
         self.pipeline_data = os.path.join(out, "data", "pipeline.parquet")
         self.memory_data = os.path.join(out, "data", "memory.parquet")
-        for path, work in ((self.ddp_data, suite.ddp), (self.pipeline_data, suite.pipeline),
-                           (self.memory_data, suite.memory)):
+        for path, work in (
+            (self.ddp_data, suite.ddp),
+            (self.pipeline_data, suite.pipeline),
+            (self.memory_data, suite.memory),
+        ):
             write_table(synthesize(work.rows, work.in_features, work.out_features, "regression", seed=0), path)
 
     def config(self, work: Workload, data: str, label: str) -> TrainConfig:
         self.runs += 1
         return work.config(data, self.storage_path, f"bench-{os.getpid()}-{self.runs:03d}-{label}")
 
-    def peer(self, work: Workload, data: str, world_size: int, num_threads: int, device: str = "cpu",
-             precision: str = "fp32") -> dict[str, Any]:
+    def peer(
+        self, work: Workload, data: str, world_size: int, num_threads: int, device: str = "cpu", precision: str = "fp32"
+    ) -> dict[str, Any]:
         cfg = dataclasses.replace(self.config(work, data, f"torch{world_size}"), precision=precision)
         prepared = prepare(cfg, "torch")
         result = torch_ddp(cfg, prepared.dataset, prepared.initial_state, world_size, num_threads, device=device)
         self.clean(prepared.run_dir)
-        return {"samples_per_second": steady(result.epoch_seconds, work.samples_per_epoch),
-                "samples_per_second_quiet": quiet(result.epoch_seconds, result.epoch_steal, work.samples_per_epoch),
-                "wall_s": result.wall_s, "loop_s": result.loop_s,
-                "startup_s": result.wall_s - result.loop_s, "first_step_s": result.first_step_s,
-                "after_loop_s": result.wall_s - result.first_step_s - result.loop_s,
-                "peak_rss_bytes": max(result.peak_rss_bytes), "final_loss": result.losses[-1],
-                **({"epoch_losses": result.losses} if device != "cpu" else {})}
+        return {
+            "samples_per_second": steady(result.epoch_seconds, work.samples_per_epoch),
+            "samples_per_second_quiet": quiet(result.epoch_seconds, result.epoch_steal, work.samples_per_epoch),
+            "wall_s": result.wall_s,
+            "loop_s": result.loop_s,
+            "startup_s": result.wall_s - result.loop_s,
+            "first_step_s": result.first_step_s,
+            "after_loop_s": result.wall_s - result.first_step_s - result.loop_s,
+            "peak_rss_bytes": max(result.peak_rss_bytes),
+            "final_loss": result.losses[-1],
+            **({"epoch_losses": result.losses} if device != "cpu" else {}),
+        }
 
     def clean(self, run_dir: str) -> None:
         if "://" not in run_dir:

@@ -1,5 +1,6 @@
 """The DDP cases: raypar's DDP against the plain-torch peer (overhead), DDP over 1, 2, 4, ...
 workers (scaling), and DataParallel against DDP on one node."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,8 +14,14 @@ from ray_jobs.core.config import WorkerScaling
 from ray_jobs.driver.prepare import prepare
 
 
-def raypar_data_parallel(bench: Bench, strategy: str, num_workers: int, epochs: int | None = None,
-                         use_gpu: bool = False, precision: str = "fp32") -> dict[str, Any]:
+def raypar_data_parallel(
+    bench: Bench,
+    strategy: str,
+    num_workers: int,
+    epochs: int | None = None,
+    use_gpu: bool = False,
+    precision: str = "fp32",
+) -> dict[str, Any]:
     """One DDP (or DataParallel, on ``num_workers`` CPUs, or GPUs with ``use_gpu``) fit; start-up
     is wall minus loop time. With ``use_gpu``, also the per-epoch losses."""
     from ray_jobs import ddp, dp
@@ -34,13 +41,18 @@ def raypar_data_parallel(bench: Bench, strategy: str, num_workers: int, epochs: 
     wall = time.perf_counter() - began
     epochs, samples_per_epoch = summary.extra["epoch_seconds"], bench.suite.ddp.samples_per_epoch
     bench.clean(prepared.run_dir)
-    return {"samples_per_second": steady(epochs, samples_per_epoch),
-            "samples_per_second_quiet": quiet(epochs, summary.extra["epoch_steal"], samples_per_epoch),
-            "wall_s": wall, "loop_s": sum(epochs), "startup_s": wall - sum(epochs),
-            "first_step_s": summary.extra["first_step_at"] - began_at,
-            "after_loop_s": wall - (summary.extra["first_step_at"] - began_at) - sum(epochs),
-            "peak_rss_bytes": max(summary.extra["worker_peak_rss_bytes"]), "final_loss": summary.losses[-1],
-            **({"epoch_losses": summary.losses} if use_gpu else {})}  # the GPU cases compare loss curves
+    return {
+        "samples_per_second": steady(epochs, samples_per_epoch),
+        "samples_per_second_quiet": quiet(epochs, summary.extra["epoch_steal"], samples_per_epoch),
+        "wall_s": wall,
+        "loop_s": sum(epochs),
+        "startup_s": wall - sum(epochs),
+        "first_step_s": summary.extra["first_step_at"] - began_at,
+        "after_loop_s": wall - (summary.extra["first_step_at"] - began_at) - sum(epochs),
+        "peak_rss_bytes": max(summary.extra["worker_peak_rss_bytes"]),
+        "final_loss": summary.losses[-1],
+        **({"epoch_losses": summary.losses} if use_gpu else {}),
+    }  # the GPU cases compare loss curves
 
 
 def max_workers() -> int:
@@ -89,14 +101,23 @@ def data_parallel_cases(bench: Bench, results: dict[str, Any]) -> dict[str, Any]
     for rep in range(max(suite.fit_repetitions, suite.overhead_repetitions)):
         for n in counts:
             if rep < (suite.overhead_repetitions if n == ddp_workers else suite.fit_repetitions):
-                bench.measure(raw[f"ddp{n}"], f"raypar DDP {n} workers", rep,
-                              lambda n=n: raypar_data_parallel(bench, "ddp", n))
+                bench.measure(
+                    raw[f"ddp{n}"], f"raypar DDP {n} workers", rep, lambda n=n: raypar_data_parallel(bench, "ddp", n)
+                )
             if n == ddp_workers and rep < suite.overhead_repetitions:
-                bench.measure(raw[f"torch{n}"], f"torch DDP {n} processes", rep,
-                              lambda: bench.peer(work, bench.ddp_data, ddp_workers, 1))
+                bench.measure(
+                    raw[f"torch{n}"],
+                    f"torch DDP {n} processes",
+                    rep,
+                    lambda: bench.peer(work, bench.ddp_data, ddp_workers, 1),
+                )
         if rep < suite.fit_repetitions and run_dp:
-            bench.measure(raw[f"dp{ddp_workers}"], f"raypar DataParallel {ddp_workers} CPUs", rep,
-                          lambda: raypar_data_parallel(bench, "dp", ddp_workers))
+            bench.measure(
+                raw[f"dp{ddp_workers}"],
+                f"raypar DataParallel {ddp_workers} CPUs",
+                rep,
+                lambda: raypar_data_parallel(bench, "dp", ddp_workers),
+            )
 
     figures = {key: summarise(runs) for key, runs in raw.items()}
     ddp_main, peer = figures[f"ddp{ddp_workers}"], figures[f"torch{ddp_workers}"]
@@ -121,13 +142,14 @@ def data_parallel_cases(bench: Bench, results: dict[str, Any]) -> dict[str, Any]
             "peak_rss_ratio": ratio(ddp_main["peak_rss_bytes"], peer["peak_rss_bytes"]),
             "raw": {"raypar": raw[f"ddp{ddp_workers}"], "torch": raw[f"torch{ddp_workers}"]},
         },
-        "scaling": {"cluster_cpus": cpus, "points": scaling,
-                    "raw": {str(n): raw[f"ddp{n}"] for n in counts}},
+        "scaling": {"cluster_cpus": cpus, "points": scaling, "raw": {str(n): raw[f"ddp{n}"] for n in counts}},
         "dp_vs_ddp": {
             "num_workers": ddp_workers,
             "ddp": ddp_main,
             "dp": dp_run,
             "ddp_over_dp": ratio(ddp_main["samples_per_second"], dp_run["samples_per_second"]),
             "raw": {"dp": raw[f"dp{ddp_workers}"]},
-        } if run_dp else {"skipped": f"no node has the {ddp_workers} CPUs of one DataParallel worker"},
+        }
+        if run_dp
+        else {"skipped": f"no node has the {ddp_workers} CPUs of one DataParallel worker"},
     }

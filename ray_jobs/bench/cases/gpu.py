@@ -9,6 +9,7 @@ figure a ratio of runs made side by side in one bench run, their repetitions int
 - ``gpu_pipeline``: the stages over GPUs (two stages sharing one GPU on a one-GPU machine)
   against the same stages one micro-batch at a time.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -60,30 +61,52 @@ def gpu_data_parallel_case(bench: Bench, results: dict[str, Any]) -> dict[str, A
     for rep in range(suite.fit_repetitions):
         bench.measure(raw["plain"], "plain loop, 1 GPU", rep, lambda: bench.peer(work, bench.ddp_data, 1, 1, "cuda"))
         for n in counts:
-            bench.measure(raw[f"ddp{n}"], f"raypar DDP {n} GPU", rep,
-                          lambda n=n: raypar_data_parallel(bench, "ddp", n, use_gpu=True))
+            bench.measure(
+                raw[f"ddp{n}"],
+                f"raypar DDP {n} GPU",
+                rep,
+                lambda n=n: raypar_data_parallel(bench, "ddp", n, use_gpu=True),
+            )
             if n > 1:
-                bench.measure(raw[f"torch{n}"], f"torch DDP (nccl) {n} GPU", rep,
-                              lambda n=n: bench.peer(work, bench.ddp_data, n, 1, "cuda"))
-        bench.measure(raw[f"dp{gpus}"], f"raypar DataParallel {gpus} GPU", rep,
-                      lambda: raypar_data_parallel(bench, "dp", gpus, use_gpu=True))
+                bench.measure(
+                    raw[f"torch{n}"],
+                    f"torch DDP (nccl) {n} GPU",
+                    rep,
+                    lambda n=n: bench.peer(work, bench.ddp_data, n, 1, "cuda"),
+                )
+        bench.measure(
+            raw[f"dp{gpus}"],
+            f"raypar DataParallel {gpus} GPU",
+            rep,
+            lambda: raypar_data_parallel(bench, "dp", gpus, use_gpu=True),
+        )
     curves = {key: _curves(runs) for key, runs in raw.items()}
     figures = {key: summarise(runs) for key, runs in raw.items()}
     plain = figures["plain"]["samples_per_second"]
     points = []
     for n in counts:
         sps = figures[f"ddp{n}"]["samples_per_second"]
-        points.append({"num_gpus": n, "samples_per_second": sps,
-                       "per_gpu_over_plain_loop": ratio(_per_gpu(sps, n), plain),
-                       # one process: the plain loop is torch's DDP peer too
-                       "over_torch_ddp": ratio(sps, figures[f"torch{n}" if n > 1 else "plain"]["samples_per_second"])})
+        points.append(
+            {
+                "num_gpus": n,
+                "samples_per_second": sps,
+                "per_gpu_over_plain_loop": ratio(_per_gpu(sps, n), plain),
+                # one process: the plain loop is torch's DDP peer too
+                "over_torch_ddp": ratio(sps, figures[f"torch{n}" if n > 1 else "plain"]["samples_per_second"]),
+            }
+        )
     ddp_all = figures[f"ddp{counts[-1]}"] if counts[-1] == gpus else None
     return {
-        "workload": asdict(work), "num_gpus": gpus, "plain_loop": plain, "points": points,
+        "workload": asdict(work),
+        "num_gpus": gpus,
+        "plain_loop": plain,
+        "points": points,
         "dp_over_ddp": ratio(figures[f"dp{gpus}"]["samples_per_second"], ddp_all["samples_per_second"])
-        if ddp_all else None,
+        if ddp_all
+        else None,
         "final_loss": {key: figure.get("final_loss") for key, figure in figures.items()},
-        "raw": raw, "loss_curves": curves,
+        "raw": raw,
+        "loss_curves": curves,
     }
 
 
@@ -94,23 +117,38 @@ def gpu_precision_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
     raw: dict[str, list[dict]] = {f"{side}-{p}": [] for side in ("raypar", "plain") for p in ("fp32", "bf16")}
     for rep in range(suite.fit_repetitions):
         for precision in ("fp32", "bf16"):
-            bench.measure(raw[f"plain-{precision}"], f"plain loop 1 GPU {precision}", rep,
-                          lambda p=precision: bench.peer(work, bench.ddp_data, 1, 1, "cuda", p))
-            bench.measure(raw[f"raypar-{precision}"], f"raypar DDP 1 GPU {precision}", rep,
-                          lambda p=precision: raypar_data_parallel(bench, "ddp", 1, use_gpu=True, precision=p))
+            bench.measure(
+                raw[f"plain-{precision}"],
+                f"plain loop 1 GPU {precision}",
+                rep,
+                lambda p=precision: bench.peer(work, bench.ddp_data, 1, 1, "cuda", p),
+            )
+            bench.measure(
+                raw[f"raypar-{precision}"],
+                f"raypar DDP 1 GPU {precision}",
+                rep,
+                lambda p=precision: raypar_data_parallel(bench, "ddp", 1, use_gpu=True, precision=p),
+            )
     curves = {key: _curves(runs) for key, runs in raw.items()}
     figures = {key: summarise(runs) for key, runs in raw.items()}
     return {
         "workload": asdict(work),
         "figures": {key: {k: f[k] for k in ("samples_per_second", "final_loss")} for key, f in figures.items()},
-        **{f"{side}_bf16_over_fp32": ratio(figures[f"{side}-bf16"]["samples_per_second"],
-                                           figures[f"{side}-fp32"]["samples_per_second"]) for side in ("raypar", "plain")},
-        "raypar_over_plain_bf16": ratio(figures["raypar-bf16"]["samples_per_second"],
-                                        figures["plain-bf16"]["samples_per_second"]),
+        **{
+            f"{side}_bf16_over_fp32": ratio(
+                figures[f"{side}-bf16"]["samples_per_second"], figures[f"{side}-fp32"]["samples_per_second"]
+            )
+            for side in ("raypar", "plain")
+        },
+        "raypar_over_plain_bf16": ratio(
+            figures["raypar-bf16"]["samples_per_second"], figures["plain-bf16"]["samples_per_second"]
+        ),
         # how closely bf16 tracks fp32: the same steps, the final loss's ratio (the curves below)
-        "raypar_bf16_over_fp32_final_loss": ratio(figures["raypar-bf16"]["final_loss"],
-                                                  figures["raypar-fp32"]["final_loss"]),
-        "loss_curves": curves, "raw": raw,
+        "raypar_bf16_over_fp32_final_loss": ratio(
+            figures["raypar-bf16"]["final_loss"], figures["raypar-fp32"]["final_loss"]
+        ),
+        "loss_curves": curves,
+        "raw": raw,
     }
 
 
@@ -119,15 +157,19 @@ def run_gpu_pipeline(bench: Bench, schedule: str, num_stages: int, gpus_per_stag
 
     work, m = bench.suite.pipeline, bench.suite.target_microbatches
     cfg = bench.config(work, bench.pipeline_data, f"gpu-pipe-{schedule}")
-    scaling = pipeline.PipelineScaling(num_stages=num_stages, num_microbatches=m, schedule=schedule, use_gpu=True,
-                                       gpus_per_stage=gpus_per_stage)
+    scaling = pipeline.PipelineScaling(
+        num_stages=num_stages, num_microbatches=m, schedule=schedule, use_gpu=True, gpus_per_stage=gpus_per_stage
+    )
     prepared = prepare(cfg, "pipeline")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*the pipeline can never fill.*")
         summary = pipeline.run(prepared, scaling)
     bench.clean(prepared.run_dir)
-    return {"samples_per_second": steady(summary.extra["epoch_seconds"], work.samples_per_epoch),
-            "transport": summary.extra["transport"], "final_loss": summary.losses[-1]}
+    return {
+        "samples_per_second": steady(summary.extra["epoch_seconds"], work.samples_per_epoch),
+        "transport": summary.extra["transport"],
+        "final_loss": summary.losses[-1],
+    }
 
 
 def gpu_pipeline_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
@@ -141,16 +183,28 @@ def gpu_pipeline_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
     run_gpu_pipeline(bench, "gpipe", num_stages, gpus_per_stage)
     for rep in range(suite.pipeline_target_repetitions):
         for schedule in GPU_SCHEDULES:
-            bench.measure(raw[schedule], f"GPU pipeline S={num_stages} {schedule}", rep,
-                          lambda s=schedule: run_gpu_pipeline(bench, s, num_stages, gpus_per_stage))
+            bench.measure(
+                raw[schedule],
+                f"GPU pipeline S={num_stages} {schedule}",
+                rep,
+                lambda s=schedule: run_gpu_pipeline(bench, s, num_stages, gpus_per_stage),
+            )
     figures = {key: summarise(runs, text=("transport",)) for key, runs in raw.items()}
     sequential = figures["sequential"]["samples_per_second"]
     return {
-        "workload": asdict(suite.pipeline), "num_stages": num_stages, "gpus_per_stage": gpus_per_stage,
+        "workload": asdict(suite.pipeline),
+        "num_stages": num_stages,
+        "gpus_per_stage": gpus_per_stage,
         "num_microbatches": suite.target_microbatches,
-        "rows": [{"schedule": s, "transport": figures[s]["transport"],
-                  "samples_per_second": figures[s]["samples_per_second"],
-                  "over_sequential": ratio(figures[s]["samples_per_second"], sequential)} for s in GPU_SCHEDULES],
+        "rows": [
+            {
+                "schedule": s,
+                "transport": figures[s]["transport"],
+                "samples_per_second": figures[s]["samples_per_second"],
+                "over_sequential": ratio(figures[s]["samples_per_second"], sequential),
+            }
+            for s in GPU_SCHEDULES
+        ],
         "raw": raw,
     }
 

@@ -1,5 +1,6 @@
 """The ingest case: Parquet to training batches in one Ray worker, against pyarrow alone and against
 the DDP job's consumption."""
+
 from __future__ import annotations
 
 import os
@@ -58,8 +59,10 @@ def ingest_in_ray_worker(bench: Bench) -> dict[str, Any]:
     # A fresh worker (its own peak RSS) on this node, where the bench wrote the Parquet file.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     task = ray.remote(num_cpus=1, max_calls=1, scheduling_strategy=here)(measure_ingest)
-    return ray.get(task.remote(bench.ddp_data, bench.suite.ddp.batch_size, 0, bench.suite.ingest_repetitions),
-                   timeout=PEER_TIMEOUT_S)
+    return ray.get(
+        task.remote(bench.ddp_data, bench.suite.ddp.batch_size, 0, bench.suite.ingest_repetitions),
+        timeout=PEER_TIMEOUT_S,
+    )
 
 
 def ingest_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
@@ -70,7 +73,9 @@ def ingest_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
     raypar_rps = stats([result["batched_rows"] / s for s in result["raypar_seconds"]])
     pyarrow_rps = stats([result["rows"] / s for s in result["pyarrow_seconds"]])
     return {
-        "file": bench.ddp_data, "rows": result["rows"], "file_bytes": os.path.getsize(bench.ddp_data),
+        "file": bench.ddp_data,
+        "rows": result["rows"],
+        "file_bytes": os.path.getsize(bench.ddp_data),
         "raypar_rows_per_second": raypar_rps,
         "pyarrow_rows_per_second": pyarrow_rps,
         "raypar_over_pyarrow": ratio(raypar_rps, pyarrow_rps),

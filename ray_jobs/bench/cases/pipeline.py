@@ -1,5 +1,6 @@
 """The pipeline case: the stage actors over schedules, micro-batch counts and transports, against the
 sequential schedule and a single process; the bubble, where the stages' time goes, transfer cost."""
+
 from __future__ import annotations
 
 import warnings
@@ -31,9 +32,13 @@ def run_pipeline(bench: Bench, schedule: str, num_microbatches: int, transport: 
     from ray_jobs.pipeline import trainer as pipeline
 
     cfg = bench.config(bench.suite.pipeline, bench.pipeline_data, f"pipe-{schedule}-{num_microbatches}-{transport}")
-    scaling = pipeline.PipelineScaling(num_stages=bench.suite.num_stages, num_microbatches=num_microbatches,
-                                       schedule=schedule, transport=transport,
-                                       cpus_per_stage=float(THREADS_PER_STAGE))
+    scaling = pipeline.PipelineScaling(
+        num_stages=bench.suite.num_stages,
+        num_microbatches=num_microbatches,
+        schedule=schedule,
+        transport=transport,
+        cpus_per_stage=float(THREADS_PER_STAGE),
+    )
     prepared = prepare(cfg, "pipeline")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*the pipeline can never fill.*")
@@ -42,14 +47,19 @@ def run_pipeline(bench: Bench, schedule: str, num_microbatches: int, transport: 
     work, num_stages = bench.suite.pipeline, bench.suite.num_stages
     timed = after_warmup(list(zip(summary.extra["epoch_seconds"], summary.extra["epoch_stage_time_fractions"])))
     step_s = [seconds / work.steps_per_epoch for seconds, _ in timed]
-    result = {"samples_per_second": steady(summary.extra["epoch_seconds"], work.samples_per_epoch),
-              "bubble_fraction": [f["bubble"] for _, f in timed],
-              "transport": summary.extra["transport"], "step_s": step_s}
+    result = {
+        "samples_per_second": steady(summary.extra["epoch_seconds"], work.samples_per_epoch),
+        "bubble_fraction": [f["bubble"] for _, f in timed],
+        "transport": summary.extra["transport"],
+        "step_s": step_s,
+    }
     if schedule == "sequential":  # only there does no compute overlap, so the rest is transfer
         critical_s = [sequential_critical_fraction(f) * step for step, (_, f) in zip(step_s, timed)]
         result["critical_s"] = critical_s
-        result["transfer_us"] = [transfer_overhead_us(step, critical, num_stages, num_microbatches)
-                                 for step, critical in zip(step_s, critical_s)]
+        result["transfer_us"] = [
+            transfer_overhead_us(step, critical, num_stages, num_microbatches)
+            for step, critical in zip(step_s, critical_s)
+        ]
     for key in TIME_SHARES:
         result[f"{key}_fraction"] = [f.get(key, 0.0) for _, f in timed]
     result["schedule_bubble"] = [f["schedule_bubble"] for _, f in timed]
@@ -70,8 +80,12 @@ def same_ops_as(schedule: str, num_stages: int, num_microbatches: int) -> str:
 def pipeline_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
     suite, work = bench.suite, bench.suite.pipeline
     wanted = [(schedule, m, PIPELINE_TRANSPORT) for m in suite.microbatches for schedule in PIPELINE_SCHEDULES]
-    wanted += [(schedule, m, transport) for m in suite.other_transport_microbatches
-               for schedule in suite.other_transport_schedules for transport in OTHER_TRANSPORTS]
+    wanted += [
+        (schedule, m, transport)
+        for m in suite.other_transport_microbatches
+        for schedule in suite.other_transport_schedules
+        for transport in OTHER_TRANSPORTS
+    ]
     same_as = {c: same_ops_as(c[0], suite.num_stages, c[1]) for c in wanted}
     configs = [c for c in wanted if same_as[c] == c[0]]  # run each distinct op order once
     raw: dict[tuple, list[dict]] = {c: [] for c in configs}
@@ -81,15 +95,23 @@ def pipeline_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
     bench.peer(work, bench.pipeline_data, 1, THREADS_PER_STAGE)
     for rep in range(max(suite.pipeline_repetitions, suite.pipeline_target_repetitions)):
         if rep < suite.cheap_repetitions:
-            bench.measure(single, "single process, whole model", rep,
-                          lambda: bench.peer(work, bench.pipeline_data, 1, THREADS_PER_STAGE))
+            bench.measure(
+                single,
+                "single process, whole model",
+                rep,
+                lambda: bench.peer(work, bench.pipeline_data, 1, THREADS_PER_STAGE),
+            )
         for config in configs:
             schedule, m, transport = config
             judged = m == suite.target_microbatches and transport == PIPELINE_TRANSPORT
             if rep >= (suite.pipeline_target_repetitions if judged else suite.pipeline_repetitions):
                 continue
-            bench.measure(raw[config], f"pipeline S={suite.num_stages} M={m} {schedule} {transport}", rep,
-                          lambda config=config: run_pipeline(bench, *config))
+            bench.measure(
+                raw[config],
+                f"pipeline S={suite.num_stages} M={m} {schedule} {transport}",
+                rep,
+                lambda config=config: run_pipeline(bench, *config),
+            )
     single_figures = summarise(single)
     figures_of = {config: summarise(runs, text=("transport",)) for config, runs in raw.items()}
     rows = []
@@ -99,38 +121,60 @@ def pipeline_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
         # the no-overlap baseline over the same transport, when that was run
         baseline = figures_of.get(("sequential", m, transport))
         row_bytes = (work.batch_size // m) * work.hidden * 4  # float32 activations at a cut
-        rows.append({
-            "schedule": schedule, "num_microbatches": m, "transport_requested": transport,
-            "same_ops_as": ran_as if ran_as != schedule else None,
-            "transport": figures["transport"], "samples_per_second": figures["samples_per_second"],
-            "speedup_vs_sequential": ratio(figures["samples_per_second"], baseline["samples_per_second"])
-            if baseline else None,
-            "speedup_vs_sequential_parts": speedup_parts(figures, baseline) if baseline else None,
-            "speedup_vs_single_process": ratio(figures["samples_per_second"], single_figures["samples_per_second"]),
-            "bubble_fraction": figures["bubble_fraction"],
-            "bubble_theory": gpipe_bubble(suite.num_stages, m) if schedule != "sequential" else None,
-            "bubble_schedule_median_ops": figures.get("median_ops_bubble"),
-            "bubble_schedule_measured_ops": figures["schedule_bubble"],
-            "bubble_busiest_stage": figures["busiest_stage_bubble"],
-            "stage_imbalance": figures["stage_imbalance"],
-            "transfer_us": figures.get("transfer_us"),  # measured for the sequential schedule only
-            "step_s": figures["step_s"], "critical_s": figures.get("critical_s"),
-            "bytes_per_transfer": row_bytes,
-            "time_fractions": {key: figures.get(f"{key}_fraction") for key in TIME_SHARES},
-            "raw": runs,
-        })
+        rows.append(
+            {
+                "schedule": schedule,
+                "num_microbatches": m,
+                "transport_requested": transport,
+                "same_ops_as": ran_as if ran_as != schedule else None,
+                "transport": figures["transport"],
+                "samples_per_second": figures["samples_per_second"],
+                "speedup_vs_sequential": ratio(figures["samples_per_second"], baseline["samples_per_second"])
+                if baseline
+                else None,
+                "speedup_vs_sequential_parts": speedup_parts(figures, baseline) if baseline else None,
+                "speedup_vs_single_process": ratio(figures["samples_per_second"], single_figures["samples_per_second"]),
+                "bubble_fraction": figures["bubble_fraction"],
+                "bubble_theory": gpipe_bubble(suite.num_stages, m) if schedule != "sequential" else None,
+                "bubble_schedule_median_ops": figures.get("median_ops_bubble"),
+                "bubble_schedule_measured_ops": figures["schedule_bubble"],
+                "bubble_busiest_stage": figures["busiest_stage_bubble"],
+                "stage_imbalance": figures["stage_imbalance"],
+                "transfer_us": figures.get("transfer_us"),  # measured for the sequential schedule only
+                "step_s": figures["step_s"],
+                "critical_s": figures.get("critical_s"),
+                "bytes_per_transfer": row_bytes,
+                "time_fractions": {key: figures.get(f"{key}_fraction") for key in TIME_SHARES},
+                "raw": runs,
+            }
+        )
     transports = []
     for schedule in suite.other_transport_schedules:
         for m in suite.other_transport_microbatches:
-            figures = {t: figures_of[(same_as[(schedule, m, t)], m, t)] for t in (PIPELINE_TRANSPORT, *OTHER_TRANSPORTS)}
+            figures = {
+                t: figures_of[(same_as[(schedule, m, t)], m, t)] for t in (PIPELINE_TRANSPORT, *OTHER_TRANSPORTS)
+            }
             main = figures[PIPELINE_TRANSPORT]["samples_per_second"]
-            transports.append({
-                "schedule": schedule, "num_microbatches": m,
-                **{t: {"samples_per_second": f["samples_per_second"], "bubble_fraction": f["bubble_fraction"]}
-                   for t, f in figures.items()},
-                **{f"{PIPELINE_TRANSPORT}_over_{t}": ratio(main, figures[t]["samples_per_second"])
-                   for t in OTHER_TRANSPORTS},
-            })
-    return {"workload": asdict(work), "num_stages": suite.num_stages, "threads_per_stage": THREADS_PER_STAGE,
-            "single_process": {**single_figures, "num_threads": THREADS_PER_STAGE, "raw": single},
-            "configs": rows, "transports": transports, "target_microbatches": suite.target_microbatches}
+            transports.append(
+                {
+                    "schedule": schedule,
+                    "num_microbatches": m,
+                    **{
+                        t: {"samples_per_second": f["samples_per_second"], "bubble_fraction": f["bubble_fraction"]}
+                        for t, f in figures.items()
+                    },
+                    **{
+                        f"{PIPELINE_TRANSPORT}_over_{t}": ratio(main, figures[t]["samples_per_second"])
+                        for t in OTHER_TRANSPORTS
+                    },
+                }
+            )
+    return {
+        "workload": asdict(work),
+        "num_stages": suite.num_stages,
+        "threads_per_stage": THREADS_PER_STAGE,
+        "single_process": {**single_figures, "num_threads": THREADS_PER_STAGE, "raw": single},
+        "configs": rows,
+        "transports": transports,
+        "target_microbatches": suite.target_microbatches,
+    }

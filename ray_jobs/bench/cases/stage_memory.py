@@ -1,6 +1,7 @@
 """The stage-memory case: one model of fixed size cut into more and more stages, and what each
 stage's process holds at its peak. A stage builds only its own layers (the whole model exists on
 the meta device), so its share of the model should shrink as 1/S over a fixed per-process base."""
+
 from __future__ import annotations
 
 import warnings
@@ -23,19 +24,22 @@ def stage_memory_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
         bench.log(f"[bench] stage memory: {num_stages} stage(s)")
         cfg = bench.config(work, bench.memory_data, f"memory-{num_stages}")
         prepared = prepare(cfg, "pipeline")
-        scaling = pipeline.PipelineScaling(num_stages=num_stages, num_microbatches=max(num_stages, 2),
-                                           cpus_per_stage=CPUS_PER_STAGE)
+        scaling = pipeline.PipelineScaling(
+            num_stages=num_stages, num_microbatches=max(num_stages, 2), cpus_per_stage=CPUS_PER_STAGE
+        )
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*the pipeline can never fill.*")
             summary = pipeline.run(prepared, scaling)
         bench.clean(prepared.run_dir)
         keys = stage_keys(cfg, prepared.dataset, num_stages)
-        rows.append({
-            "num_stages": num_stages,
-            "stage_parameter_bytes": [sum(_bytes(prepared.initial_state[k]) for k in own) for own in keys],
-            "stage_peak_rss_bytes": summary.extra["stage_peak_rss_bytes"],
-            "stage_peak_device_bytes": summary.extra["stage_peak_device_bytes"],
-        })
+        rows.append(
+            {
+                "num_stages": num_stages,
+                "stage_parameter_bytes": [sum(_bytes(prepared.initial_state[k]) for k in own) for own in keys],
+                "stage_peak_rss_bytes": summary.extra["stage_peak_rss_bytes"],
+                "stage_peak_device_bytes": summary.extra["stage_peak_device_bytes"],
+            }
+        )
     return {"workload": asdict(work), "cpus_per_stage": CPUS_PER_STAGE, "rows": rows}
 
 

@@ -5,6 +5,7 @@ whether the stream keeps the workers fed, and how many bytes it read.
 The memory path holds the dataset in the driver and maps it into every worker, so its peaks
 grow with the data; a stream's should not (the issue's bound: under 250 MB more for 16x the data).
 """
+
 from __future__ import annotations
 
 import json
@@ -37,12 +38,24 @@ def stream_ingest_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
     for name in sizes:
         for mode in MODES:
             bench.log(f"[bench] streaming: DDP on the {name} data, --ingest {mode}")
-            runs.append({"data": name, "ingest": mode, "rows": sizes[name],
-                         "file_bytes": os.path.getsize(files[name]), **ddp_process(bench, files[name], mode)})
+            runs.append(
+                {
+                    "data": name,
+                    "ingest": mode,
+                    "rows": sizes[name],
+                    "file_bytes": os.path.getsize(files[name]),
+                    **ddp_process(bench, files[name], mode),
+                }
+            )
     bench.log("[bench] streaming: the reader alone, one epoch of the large data")
     delivered = reader_rows_per_second(files["large"])
-    return {"workload": asdict(work), "num_workers": bench.suite.ddp_workers, "runs": runs,
-            "reader_rows_per_second": delivered, **_growth(runs)}
+    return {
+        "workload": asdict(work),
+        "num_workers": bench.suite.ddp_workers,
+        "runs": runs,
+        "reader_rows_per_second": delivered,
+        **_growth(runs),
+    }
 
 
 def write_rows(path: str, rows: int, in_features: int, out_features: int) -> None:
@@ -62,15 +75,39 @@ def ddp_process(bench: Bench, data: str, mode: str) -> dict[str, Any]:
     import ray
 
     work, name = bench.suite.stream, f"stream-{mode}-{os.getpid()}-{time.time_ns()}"
-    argv = [sys.executable, "-m", "ray_jobs.ddp", "--address", ray.get_runtime_context().gcs_address,
-            "--data", data, "--ingest", mode, "--model", work.model, "--hidden", str(work.hidden),
-            "--depth", str(work.depth), "--epochs", str(work.epochs), "--batch-size", str(work.batch_size),
-            "--num-workers", str(bench.suite.ddp_workers), "--storage-path", bench.storage_path, "--name", name]
+    argv = [
+        sys.executable,
+        "-m",
+        "ray_jobs.ddp",
+        "--address",
+        ray.get_runtime_context().gcs_address,
+        "--data",
+        data,
+        "--ingest",
+        mode,
+        "--model",
+        work.model,
+        "--hidden",
+        str(work.hidden),
+        "--depth",
+        str(work.depth),
+        "--epochs",
+        str(work.epochs),
+        "--batch-size",
+        str(work.batch_size),
+        "--num-workers",
+        str(bench.suite.ddp_workers),
+        "--storage-path",
+        bench.storage_path,
+        "--name",
+        name,
+    ]
     # The bench's own Ray runs with token auth; a client sends the token only when told to.
     log = os.path.join(bench.out, f"{name}.log")
     with open(log, "w") as output:
-        process = subprocess.Popen(argv, env={**os.environ, "RAY_AUTH_MODE": "token"}, stdout=output,
-                                   stderr=subprocess.STDOUT)
+        process = subprocess.Popen(
+            argv, env={**os.environ, "RAY_AUTH_MODE": "token"}, stdout=output, stderr=subprocess.STDOUT
+        )
     began = time.perf_counter()
     status, peak_rss = _wait_with_usage(process, PEER_TIMEOUT_S)
     if status != 0:
@@ -80,10 +117,14 @@ def ddp_process(bench: Bench, data: str, mode: str) -> dict[str, Any]:
         summary = json.load(handle)
     bench.clean(run_dir)
     os.remove(log)
-    return {"wall_s": time.perf_counter() - began, "driver_peak_rss_bytes": peak_rss,
-            "worker_peak_rss_bytes": summary["worker_peak_rss_bytes"],
-            "samples_per_second": summary["samples_per_second"],
-            "data_wait_fraction": summary["data_wait_fraction"], "bytes_read": summary["bytes_read"]}
+    return {
+        "wall_s": time.perf_counter() - began,
+        "driver_peak_rss_bytes": peak_rss,
+        "worker_peak_rss_bytes": summary["worker_peak_rss_bytes"],
+        "samples_per_second": summary["samples_per_second"],
+        "data_wait_fraction": summary["data_wait_fraction"],
+        "bytes_read": summary["bytes_read"],
+    }
 
 
 def _wait_with_usage(process: subprocess.Popen, timeout_s: float) -> tuple[int, int]:
