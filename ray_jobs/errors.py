@@ -43,6 +43,13 @@ def described(where: str, passing: tuple[type[BaseException], ...] = ()) -> Iter
         raise Failure(describe(error, where)) from error
 
 
+def os_error_line(error: OSError) -> str:
+    """An ``OSError`` as one line: the path first, then what the system said of it."""
+    if error.filename is None or not error.strerror:
+        return f"{type(error).__name__}: {error}"
+    return f"{error.filename}: {error.strerror}"
+
+
 def root_cause(error: BaseException) -> str:
     """The first ``Failure`` in the error's chain (its causes, and Ray's wrapped ``cause``), else the
     innermost error's last line, without Ray's wrapping."""

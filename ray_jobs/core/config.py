@@ -43,7 +43,9 @@ class TrainConfig:
     data: str | None = field(
         default=None,
         metadata=flag_doc(
-            "Parquet file or directory, local or a pyarrow.fs URI", "data", "synthetic: 1,024 rows, 10 -> 5"
+            "Parquet file, or a directory of *.parquet files, local or a pyarrow.fs URI",
+            "data",
+            "synthetic: 1,024 rows, 10 -> 5",
         ),
     )
     feature_column: str = field(default="features", metadata=flag_doc("list<float> column of inputs", "data"))

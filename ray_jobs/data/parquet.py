@@ -18,6 +18,7 @@ from ray_jobs.data.storage import resolve
 TASKS = ("regression", "classification")
 NUM_CLASSES_KEY = b"raypar.num_classes"
 # Row groups are what a stream reads and shuffles (--ingest stream): written no larger than this.
+PARQUET_SUFFIX = ".parquet"  # what a directory of data is read for
 ROW_GROUP_ROWS = 16384
 CLASSES_FROM_LABELS = "the largest label + 1 (state --num-classes when a split may lack the top class)"
 
@@ -202,8 +203,10 @@ def read_dataset(
         raise ValueError(f"--data {path}: no such file or directory")
     try:
         files = parquet_files(filesystem, fs_path)
+        if not files:
+            raise ValueError(f"--data {path}: no {PARQUET_SUFFIX} files in the directory")
         stored = stored_num_classes(filesystem, files)
-        table = pq.read_table(fs_path, filesystem=filesystem, columns=None)
+        table = pq.read_table(files, filesystem=filesystem)  # the files listed, not the whole directory
     except (pa.ArrowInvalid, OSError) as error:
         raise ValueError(f"--data {path}: not readable as Parquet ({str(error).splitlines()[0]})") from None
     dataset = table_to_dataset(table, feature_column, target_column, task, num_classes, stored)
@@ -212,12 +215,18 @@ def read_dataset(
 
 
 def parquet_files(filesystem: pafs.FileSystem, path: str) -> list[str]:
-    """A Parquet file, or a directory's Parquet files in name order (hidden ``.``/``_`` names left out)."""
+    """A Parquet file, or a directory's ``*.parquet`` files in name order (hidden ``.``/``_`` names
+    left out). Only that suffix: a directory also gathers leftovers (``.partial`` writes, notes,
+    predictions written beside the data) that would otherwise be read as training rows."""
     if filesystem.get_file_info(path).type != pafs.FileType.Directory:
         return [path]
     infos = filesystem.get_file_info(pafs.FileSelector(path, recursive=True))
     return sorted(
-        info.path for info in infos if info.type == pafs.FileType.File and not info.base_name.startswith((".", "_"))
+        info.path
+        for info in infos
+        if info.type == pafs.FileType.File
+        and info.base_name.endswith(PARQUET_SUFFIX)
+        and not info.base_name.startswith((".", "_"))
     )
 
 

@@ -9,6 +9,7 @@ reaches the same place whatever its own environment (``AWS_ENDPOINT_URL`` includ
 from __future__ import annotations
 
 import os
+import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Union
@@ -55,6 +56,21 @@ def join(base: Target, *parts: str) -> Target:
     path, query = base.split("?", 1) if "://" in base and "?" in base else (base, None)
     joined = "/".join([path.rstrip("/"), *parts])
     return f"{joined}?{query}" if query is not None else joined
+
+
+def check_inside(target: str, base: str, flag: str) -> None:
+    """Refuse ``target`` unless it resolves to a place strictly inside ``base`` (symbolic links
+    followed on local paths, ``.`` and ``..`` collapsed in URIs): a run never writes outside the
+    storage path its user gave."""
+    if "://" in base:
+        scheme, inside = base.split("://", 1)[0], posixpath.normpath(without_query(target).split("://", 1)[1])
+        outer = posixpath.normpath(without_query(base).split("://", 1)[1])
+        ok = target.startswith(f"{scheme}://") and inside.startswith(outer.rstrip("/") + "/")
+    else:
+        outer = os.path.realpath(base)
+        ok = os.path.realpath(target).startswith(outer.rstrip(os.sep) + os.sep)
+    if not ok:
+        raise ValueError(f"{flag}: {without_query(target)} is not inside the storage path {without_query(base)}")
 
 
 def without_query(uri: str) -> str:

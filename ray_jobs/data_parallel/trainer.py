@@ -27,7 +27,7 @@ from ray_jobs.data.stream import reader_stats, stream_reader
 from ray_jobs.data_parallel.worker import LoopConfig, train_loop_per_worker
 from ray_jobs.driver import interrupts
 from ray_jobs.driver.connect import WORKER_ENV
-from ray_jobs.driver.outputs import finish
+from ray_jobs.driver.outputs import finish, finish_trained
 from ray_jobs.driver.prepare import PreparedRun
 from ray_jobs.driver.resources import Request, gpu_sharing, wait_for_bundles
 from ray_jobs.driver.summary import TrainSummary
@@ -60,6 +60,9 @@ def run_workers(
     ``faults``: what a test arms."""
     cfg = prepared.cfg
     scaling.check(cfg)
+    trained = finish_trained(prepared, {"scaling": asdict(scaling)}, scaling.num_workers)
+    if trained is not None:
+        return trained
     # An elastic run may start on a cluster already short of nodes: only its minimum must fit.
     num_workers, flag = (
         (scaling.min_workers, "--min-workers") if scaling.elastic else (scaling.num_workers, "--num-workers")

@@ -21,7 +21,7 @@ from ray_jobs.driver.interrupts import run_until_interrupted
 from ray_jobs.driver.prepare import PreparedRun, prepare
 from ray_jobs.driver.rerun import AlreadyComplete
 from ray_jobs.driver.summary import TrainSummary
-from ray_jobs.errors import TrainingFailed, root_cause
+from ray_jobs.errors import TrainingFailed, os_error_line, root_cause
 
 
 def entry_point(
@@ -59,6 +59,9 @@ def entry_point(
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # the storage, the data or a user's module could not be read or written
+        print(f"error: {os_error_line(error)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(
             "interrupted: stopping the run's workers; the latest checkpoint is kept and "

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ray_jobs.core.checkpoint import TrainState
+from ray_jobs.core.checkpoint import TrainState, latest_checkpoint, latest_progress
 from ray_jobs.core.config import TrainConfig
 from ray_jobs.core.evaluation import best_epoch
 from ray_jobs.data import storage
@@ -75,3 +75,25 @@ def validation_summary(prepared: PreparedRun, final: TrainState) -> dict[str, An
         "val_accuracy": list(final.val_accuracy) if classification else None,
         "best_epoch": best_epoch(final.val_losses),
     }
+
+
+def finish_trained(prepared: PreparedRun, extra_config: dict[str, Any], world_size: int) -> TrainSummary | None:
+    """When the newest checkpoint already holds every epoch (the outputs beside it are an earlier,
+    shorter run's: ``rerun`` did not call them complete), write its ``model.pt`` and
+    ``summary.json`` without starting a worker or a stage; None when there is training left.
+    ``world_size``: the strategy's, when the checkpoint does not record its attempts."""
+    cfg = prepared.cfg
+    if latest_progress(prepared.run_dir) != (cfg.epochs, 0):
+        return None
+    final = latest_checkpoint(prepared.run_dir)
+    if final is None or final.progress != (cfg.epochs, 0):  # the newest was unreadable: train from what is
+        return None
+    print(
+        f"[raypar] resuming from the checkpoint after epoch {cfg.epochs}: every epoch is trained; "
+        "writing its model.pt and summary.json",
+        flush=True,
+    )
+    if final.world_sizes:
+        world_size = final.world_sizes[-1]["num_workers"]
+    metrics = {"resumed_from_epoch": cfg.epochs, "resumed_from_step": 0}
+    return finish(prepared, final, metrics, world_size, extra_config, {"world_sizes": final.world_sizes or None})

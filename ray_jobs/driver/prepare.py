@@ -7,6 +7,7 @@ directory. ``PreparedRun`` is what every strategy is handed.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from ray_jobs.driver.rerun import check_rerun, record_settings
 
 # The default data when --data is not given: the DDP tutorial's shape (10 inputs, 5 outputs).
 SYNTHETIC_ROWS, SYNTHETIC_IN, SYNTHETIC_OUT = 1024, 10, 5
+MAX_RUN_NAME = 200
+RUN_NAME = re.compile(rf"[A-Za-z0-9_][A-Za-z0-9._-]{{0,{MAX_RUN_NAME - 1}}}")
 
 
 @dataclass
@@ -96,10 +99,10 @@ def prepare(cfg: TrainConfig, strategy: str) -> PreparedRun:
     """Everything that can be checked without Ray: a re-run's settings, data, model, initial
     weights, storage. Raises ``AlreadyComplete`` for a finished run re-run with its settings."""
     name = cfg.name or f"{strategy}-{datetime.now():%Y%m%d-%H%M%S}"
-    if "/" in name or "?" in name:
-        raise ValueError(f"--name {name!r} must not contain '/' or '?'")
+    check_run_name(name)
     storage_path = storage.absolute(cfg.storage_path)
     run_dir = storage.join(storage_path, name)
+    storage.check_inside(run_dir, storage_path, "--name")
     check_rerun(cfg, name, run_dir)
     dataset = load_data(cfg)
     check_batch_fits(cfg, dataset)
@@ -115,6 +118,17 @@ def prepare(cfg: TrainConfig, strategy: str) -> PreparedRun:
     return prepared
 
 
+def check_run_name(name: str) -> None:
+    """A run name is one path component a user can type and a bucket can hold: the run directory
+    it names must be inside ``--storage-path`` (``..`` or a separator would leave it), and a name
+    that starts with ``-`` reads as a flag in every shell command that follows."""
+    if not RUN_NAME.fullmatch(name):
+        raise ValueError(
+            f"--name {name!r} is not a run name: use letters, digits, '.', '_' and '-', starting with a "
+            f"letter, digit or '_', at most {MAX_RUN_NAME} characters"
+        )
+
+
 def ship_model_code(name: str) -> Callable[..., nn.Module]:
     """``--model``'s callable. A user's module outside site-packages travels to the workers by value
     (cloudpickle), so they build the model even where they cannot import it: a cluster joined
@@ -122,7 +136,9 @@ def ship_model_code(name: str) -> Callable[..., nn.Module]:
     factory = model_factory(name)
     if is_user_model(name):
         module = sys.modules[name.partition(":")[0]]
-        installed = any(part in (module.__file__ or "") for part in ("site-packages", "dist-packages"))
+        # A built-in module has no __file__: it is importable everywhere, like an installed one.
+        path = getattr(module, "__file__", None)
+        installed = path is None or any(part in path for part in ("site-packages", "dist-packages"))
         if not installed:
             ray.cloudpickle.register_pickle_by_value(module)
     return factory

@@ -81,7 +81,7 @@ def check_rerun(cfg: TrainConfig, name: str, run_dir: str) -> int:
         return 0
     record = storage.join(run_dir, RUN_FILE)
     if storage.exists(record):
-        stored, now = json.loads(storage.read_bytes(record))["settings"], fixed_settings(cfg)
+        stored, now = _stored_settings(record), fixed_settings(cfg)
         changed = [key for key in FIXED if stored.get(key) != now[key]]
         if changed:
             differences = ", ".join(
@@ -105,7 +105,7 @@ def check_rerun(cfg: TrainConfig, name: str, run_dir: str) -> int:
             f"--epochs {cfg.epochs} is fewer than the {completed} epochs run {name!r} has completed; "
             f"its model after {completed} epochs is {_weights(run_dir, completed)}"
         )
-    if cfg.epochs == completed and progress[1] == 0 and _finished(run_dir):
+    if cfg.epochs == completed and progress[1] == 0 and _finished(run_dir, completed):
         raise AlreadyComplete(
             f"run {name!r} is already complete ({completed} of {cfg.epochs} epochs): "
             f"{storage.without_query(storage.join(run_dir, 'summary.json'))}; "
@@ -120,8 +120,31 @@ def record_settings(cfg: TrainConfig, strategy: str, run_dir: str) -> None:
     storage.write_bytes(storage.join(run_dir, RUN_FILE), json.dumps(record, indent=2).encode())
 
 
-def _finished(run_dir: str) -> bool:
-    return all(storage.exists(storage.join(run_dir, name)) for name in ("model.pt", "summary.json"))
+def _stored_settings(record: str) -> dict[str, Any]:
+    try:
+        stored = json.loads(storage.read_bytes(record))
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
+        stored = None
+    if not isinstance(stored, dict) or not isinstance(stored.get("settings"), dict):
+        raise ValueError(
+            f"{storage.without_query(record)} is not a raypar run record (no settings): restore it, or "
+            "start the run under a new --name"
+        )
+    return stored["settings"]
+
+
+def _finished(run_dir: str, completed: int) -> bool:
+    """Whether the run's outputs are those of its newest checkpoint, ``completed`` epochs: outputs an
+    earlier, shorter run left (its ``--epochs`` raised since, then stopped) are not, and the re-run
+    writes them anew from that checkpoint."""
+    summary = storage.join(run_dir, "summary.json")
+    if not (storage.exists(summary) and storage.exists(storage.join(run_dir, "model.pt"))):
+        return False
+    try:
+        written = json.loads(storage.read_bytes(summary)).get("epochs_completed")
+    except (ValueError, AttributeError):  # unreadable, or not an object: not this run's outputs
+        return False
+    return written == completed
 
 
 def _weights(run_dir: str, completed: int) -> str:

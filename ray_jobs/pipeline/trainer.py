@@ -36,7 +36,7 @@ from ray_jobs.data import storage
 from ray_jobs.data.stream import epoch_indices, reader_stats, stream_reader
 from ray_jobs.driver import interrupts
 from ray_jobs.driver.entry import entry_point
-from ray_jobs.driver.outputs import finish
+from ray_jobs.driver.outputs import finish, finish_trained
 from ray_jobs.driver.prepare import PreparedRun
 from ray_jobs.driver.resources import Request, wait_for_bundles
 from ray_jobs.driver.summary import TrainSummary
@@ -193,6 +193,9 @@ def run(prepared: PreparedRun, scaling: PipelineScaling, faults: Faults = NO_FAU
     """
     cfg = prepared.cfg
     scaling.check(cfg)
+    trained = finish_trained(prepared, {"scaling": asdict(scaling)}, scaling.num_stages)
+    if trained is not None:
+        return trained
     if scaling.num_microbatches < scaling.num_stages:
         warnings.warn(
             f"--num-microbatches {scaling.num_microbatches} < --num-stages {scaling.num_stages}: "

@@ -68,3 +68,21 @@ def test_a_rerun_continues_from_the_most_work_done_when_file_times_say_nothing(r
     assert second.resumed_from_epoch == 2 and second.epochs_completed == 3
     expected_weights, _ = reference_for(cfg)
     assert_same_weights(load_weights(second.run_dir), expected_weights)
+
+
+def test_outputs_a_shorter_run_left_are_written_anew_from_the_newest_checkpoint(ray_cluster, cfg, tmp_path):
+    """The run trained 2 epochs (its outputs written), then was raised to 3 and stopped once epoch 3's
+    checkpoint was written, before its outputs: a re-run with --epochs 3 must not call the 2-epoch
+    outputs complete, and ends with the 3-epoch checkpoint's model and summary."""
+    import json
+
+    run_dir = tmp_path / "run"
+    run_strategy("dp", with_(cfg, epochs=2))
+    stale = {name: (run_dir / name).read_bytes() for name in ("model.pt", "summary.json")}
+    run_strategy("dp", cfg)
+    for name, content in stale.items():
+        (run_dir / name).write_bytes(content)
+    summary = run_strategy("dp", cfg)
+    assert summary.epochs_completed == 3 and summary.resumed_from_epoch == 3
+    assert json.loads((run_dir / "summary.json").read_text())["epochs_completed"] == 3
+    assert_same_weights(load_weights(str(run_dir)), reference_for(cfg)[0])

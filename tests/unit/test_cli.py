@@ -119,3 +119,47 @@ def test_auto_task_says_what_it_chose_and_why(classification_data, tmp_path, cap
         "[raypar] task: classification (column 'target' holds integers; 4 classes from the files' "
         "raypar.num_classes; --task to choose)"
     ) in capsys.readouterr().out
+
+
+NOT_NAMES = ["..", ".", "a/b", "../escape", "-x", ".hidden", "a b", "a\x00b", "a?b", "x" * 201]
+
+
+@pytest.mark.parametrize("name", NOT_NAMES, ids=lambda name: repr(name)[:12])
+def test_a_run_name_is_one_safe_path_component(name, tmp_path, capsys):
+    storage = tmp_path / "runs"
+    assert ddp.main([f"--name={name}", "--storage-path", str(storage)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --name {name!r} is not a run name: use letters, digits")
+    assert sorted(path.name for path in tmp_path.iterdir()) == []  # nothing written, inside or out
+
+
+def test_a_run_directory_that_resolves_outside_the_storage_path_is_refused(tmp_path, capsys):
+    storage, outside = tmp_path / "runs", tmp_path / "elsewhere"
+    storage.mkdir()
+    outside.mkdir()
+    (storage / "linked").symlink_to(outside)
+    assert ddp.main(["--name", "linked", "--storage-path", str(storage)]) == 2
+    assert f"error: --name: {storage / 'linked'} is not inside the storage path {storage}" in capsys.readouterr().err
+    assert not any(outside.iterdir())
+    assert dp.main(["--name", "x" * 200, "--storage-path", str(storage), "--epochs", "0"]) == 2  # 200 is a name
+    assert "--epochs must be at least 1" in capsys.readouterr().err
+
+
+def test_a_model_from_a_module_without_a_file_is_one_line(tmp_path, capsys):
+    assert ddp.main(["--model", "builtins:print", "--storage-path", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --model builtins:print: (10, 5) returned NoneType, not a torch.nn.Module"]
+
+
+def test_a_run_record_without_settings_is_one_line(tmp_path, capsys):
+    from ray_jobs.core.checkpoint import TrainState, checkpoint_name, write_checkpoint
+
+    run_dir = tmp_path / "run"
+    write_checkpoint(str(run_dir / checkpoint_name(1)), TrainState({}, {}, 1, [1.0]))
+    (run_dir / "run.json").write_text('{"strategy": "ddp"}')
+    assert ddp.main(["--name", "run", "--storage-path", str(tmp_path), "--epochs", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"error: {run_dir / 'run.json'} is not a raypar run record (no settings): restore it, or start "
+        "the run under a new --name"
+    ]

@@ -170,3 +170,12 @@ def test_task_says_what_an_integer_or_float_target_is():
         table_to_dataset(pa.table({"features": [[1.0]], "target": [[0.5]]}), task="classification")
     with pytest.raises(ValueError, match="--num-classes applies to classification"):
         table_to_dataset(pa.table({"features": [[1.0]], "target": [[0.5]]}), num_classes=3)
+
+
+def test_a_directory_is_read_for_its_parquet_files_only(tmp_path):
+    data = tmp_path / "data"
+    write_table(synthesize(8, 3, 2, "regression", seed=0), str(data / "part-0.parquet"))
+    write_table(synthesize(5, 3, 2, "regression", seed=1), str(data / "pred.parquet.partial"))  # a write cut short
+    (data / "notes.txt").write_text("not data")
+    (data / "_SUCCESS").write_text("")
+    assert read_dataset(str(data)).num_rows == 8

@@ -149,7 +149,7 @@ def test_a_finished_run_rerun_with_its_settings_is_already_complete(started, cap
     write_checkpoint(os.path.join(run_dir, checkpoint_name(3)), TrainState({}, {}, 3, [1.0] * 3))
     for name in ("model.pt", "summary.json"):
         with open(os.path.join(run_dir, name), "w") as file:
-            file.write("{}")
+            file.write(json.dumps({"epochs_completed": 3}))
     before = snapshot(run_dir)
     assert dp.main(argv) == 0
     assert "run 'run' is already complete (3 of 3 epochs)" in capsys.readouterr().out
@@ -177,3 +177,20 @@ def test_rerun_check_reads_no_checkpoint(started, monkeypatch):
     _, cfg, run_dir = started
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("a checkpoint was loaded"))
     assert check_rerun(cfg, "run", run_dir) == 2
+
+
+def test_outputs_an_earlier_shorter_run_left_are_not_complete(started, capsys):
+    """--epochs 2 wrote model.pt and summary.json; --epochs 4 was stopped after epoch 3's checkpoint;
+    --epochs 3 must not call the 2-epoch outputs complete: it writes them anew from that checkpoint."""
+    argv, cfg, run_dir = started
+    write_checkpoint(os.path.join(run_dir, checkpoint_name(3)), TrainState({}, {}, 3, [1.0] * 3))
+    with open(os.path.join(run_dir, "model.pt"), "w") as file:
+        file.write("the 2-epoch weights")
+    for written, complete in ((2, False), ("junk", False), (3, True)):
+        with open(os.path.join(run_dir, "summary.json"), "w") as file:
+            file.write(json.dumps({"epochs_completed": written}) if written != "junk" else "{not json")
+        if complete:
+            with pytest.raises(AlreadyComplete):
+                check_rerun(cfg, "run", run_dir)
+        else:
+            assert check_rerun(cfg, "run", run_dir) == 3
