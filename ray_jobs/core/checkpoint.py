@@ -12,6 +12,9 @@ copies reset.
 from __future__ import annotations
 
 import re
+import sys
+import time
+import zipfile
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -23,6 +26,9 @@ from ray_jobs.data import storage
 
 CHECKPOINT_FILE = "checkpoint.pt"
 CHECKPOINT_PREFIX = "checkpoint_"
+# Reading a checkpoint after a storage error: attempts, and the wait before the next (times the attempt).
+READ_ATTEMPTS, READ_RETRY_S = 3, 1.0
+_WARNED: set[str] = set()  # checkpoints already said to be skipped, by this process
 _NAMED = re.compile(r"checkpoint_epoch_(\d+)(?:_step_(\d+))?$")
 
 
@@ -112,52 +118,104 @@ def read_checkpoint(directory: storage.Target) -> TrainState:
 
 
 def latest_checkpoint(run_dir: storage.Target) -> TrainState | None:
-    """The checkpoint under ``run_dir`` with the most completed work that loads completely, or None.
+    """The newest usable checkpoint under ``run_dir`` (``usable_checkpoints``), loaded; None if none.
 
     Reads the files, not Ray's registry: Ray 2.60 can upload a checkpoint and never register it
     (a crash within ~2 s of reporting it, or an interrupt before its registry snapshot is
-    written), yet such a checkpoint is complete and exact. One cut short mid-upload fails to
-    load and is skipped, so resume never trusts a half-written checkpoint.
+    written), yet such a checkpoint is complete and exact.
     """
-    named, unnamed = _checkpoint_dirs(run_dir)
-    # Directories named by an older raypar (Ray's timestamps) say nothing of their progress:
-    # their content does.
-    loaded = [state for state in map(_try_read, (storage.join(run_dir, n) for n in unnamed)) if state]
-    newest_unnamed = max(loaded, key=lambda state: state.progress, default=None)
-    for progress, name in named:
-        if newest_unnamed is not None and newest_unnamed.progress > progress:
-            break
-        state = _try_read(storage.join(run_dir, name))
+    for _, entry in usable_checkpoints(run_dir):
+        if isinstance(entry, TrainState):
+            return entry
+        state = _load(storage.join(run_dir, entry))
         if state is not None:
             return state
-    return newest_unnamed
+    return None
 
 
 def latest_progress(run_dir: storage.Target) -> tuple[int, int] | None:
-    """(epochs, step) of the newest checkpoint by its name, without loading it; None if none."""
-    named, unnamed = _checkpoint_dirs(run_dir)
-    if unnamed:
-        state = latest_checkpoint(run_dir)
-        return state.progress if state else None
-    return named[0][0] if named else None
+    """(epochs, step) of the newest usable checkpoint, without loading its tensors; None if none."""
+    found = usable_checkpoints(run_dir)
+    return found[0][0] if found else None
 
 
-def _checkpoint_dirs(run_dir: storage.Target) -> tuple[list[tuple[tuple[int, int], str]], list[str]]:
-    """Checkpoint directories named by progress (newest first), and the others."""
-    names = [
-        name
-        for name in storage.list_dir(run_dir)
-        if name.startswith(CHECKPOINT_PREFIX) and storage.exists(storage.join(run_dir, name, CHECKPOINT_FILE))
-    ]
-    named = sorted(((_progress_of(name), name) for name in names if _progress_of(name)), reverse=True)
-    return named, [name for name in names if not _progress_of(name)]
+def usable_checkpoints(run_dir: storage.Target) -> list[tuple[tuple[int, int], str | TrainState]]:
+    """Every checkpoint a resume may use, newest first, as (progress, directory name): the one
+    function that decides, for resume, the re-run check, the stream's first window and pruning.
+
+    A checkpoint cut short while it was written (a crash mid-upload; a full disk) is skipped with
+    a one-line warning naming it, told by its zip archive's central directory, which
+    ``torch.save`` writes last (read from the file's tail: no tensor is loaded). A storage error
+    is not a bad checkpoint: it is retried, then raised. Directories an older raypar named by
+    Ray's timestamps say nothing of their progress: they are loaded, and given as the state.
+    """
+    names = [name for name in storage.list_dir(run_dir) if name.startswith(CHECKPOINT_PREFIX)]
+    found: list[tuple[tuple[int, int], str | TrainState]] = []
+    for name in names:
+        directory = storage.join(run_dir, name)
+        if not storage.exists(storage.join(directory, CHECKPOINT_FILE)):
+            continue
+        progress = _progress_of(name)
+        if progress is None:
+            state = _read_whole(directory)
+            if state is not None:
+                found.append((state.progress, state))
+        elif _whole(directory):
+            found.append((progress, name))
+    return sorted(found, key=lambda item: item[0], reverse=True)
 
 
-def _try_read(directory: storage.Target) -> TrainState | None:
+def _whole(directory: storage.Target) -> bool:
+    filesystem, path = storage.resolve(storage.join(directory, CHECKPOINT_FILE))
+
+    def central_directory() -> bool:
+        with filesystem.open_input_file(path) as file:
+            try:
+                zipfile.ZipFile(file)
+            except zipfile.BadZipFile:
+                return False
+            return True
+
+    if _retrying(central_directory, directory):
+        return True
+    _warn_once(directory, "its checkpoint.pt is incomplete (cut short while it was written)")
+    return False
+
+
+def _read_whole(directory: storage.Target) -> TrainState | None:
+    """A checkpoint whose progress only its content tells: loaded, or None (with a warning) if cut short."""
+    return _load(directory) if _whole(directory) else None
+
+
+def _load(directory: storage.Target) -> TrainState | None:
+    """The checkpoint, or None (with a warning) when its whole archive holds what does not load."""
     try:
-        return read_checkpoint(directory)
-    except Exception:  # truncated or corrupt: torch raises several types
+        return _retrying(lambda: read_checkpoint(directory), directory)
+    except OSError:
+        raise
+    except Exception as error:  # torch raises several types for content it cannot read
+        _warn_once(directory, f"it does not load ({type(error).__name__})")
         return None
+
+
+def _retrying(read, directory: storage.Target):
+    """``read()``, again after a storage error (an object store's transient failure), up to
+    ``READ_ATTEMPTS`` times; then the error, naming the checkpoint."""
+    for attempt in range(READ_ATTEMPTS):
+        try:
+            return read()
+        except OSError as error:
+            if attempt == READ_ATTEMPTS - 1:
+                raise OSError(f"{storage.without_query(str(directory))}: checkpoint unreadable: {error}") from None
+            time.sleep(READ_RETRY_S * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _warn_once(directory: storage.Target, why: str) -> None:
+    where = storage.without_query(str(directory))
+    if where not in _WARNED:
+        _WARNED.add(where)
+        print(f"[raypar] warning: skipping checkpoint {where}: {why}", file=sys.stderr, flush=True)
 
 
 def slice_state(state: TrainState, keys: set[str], index: int, num_parts: int) -> TrainState:
@@ -185,9 +243,11 @@ def slice_state(state: TrainState, keys: set[str], index: int, num_parts: int) -
 
 
 def prune_checkpoints(run_dir: storage.Target, num_to_keep: int) -> None:
-    """Delete all but the ``num_to_keep`` newest checkpoints (by their names' progress)."""
-    named, _ = _checkpoint_dirs(run_dir)
-    for _, name in named[num_to_keep:]:
+    """Delete all but the ``num_to_keep`` newest usable checkpoints named by progress: a newer one
+    cut short never counts among them (the run fell back past it), so the checkpoint just
+    written is kept."""
+    named = [name for _, name in usable_checkpoints(run_dir) if isinstance(name, str)]
+    for name in named[num_to_keep:]:
         storage.delete_dir(storage.join(run_dir, name))
 
 

@@ -132,3 +132,55 @@ def test_writing_a_checkpoint_copies_no_tensor(tmp_path):
         [sys.executable, "-c", script, str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120, check=True
     )
     assert float(result.stdout) < 0.25  # measured 0.004: only the file writer's own buffers
+
+
+def cut_short(path: str) -> None:
+    with open(path, "r+b") as file:
+        file.truncate(os.path.getsize(path) // 2)
+
+
+def test_one_function_decides_the_newest_usable_checkpoint_for_every_caller(tmp_path, capsys):
+    """A checkpoint cut short mid-upload is skipped by resume, the re-run check and pruning alike,
+    with one warning naming it; its name alone (epoch 3) never wins."""
+    for epochs in (1, 2, 3):
+        write(tmp_path, checkpoint_name(epochs), epochs)
+    cut_short(str(tmp_path / checkpoint_name(3) / "checkpoint.pt"))
+    assert latest_progress(str(tmp_path)) == (2, 0)
+    assert latest_checkpoint(str(tmp_path)).epochs_completed == 2
+    warnings = capsys.readouterr().err.strip().splitlines()
+    assert warnings == [
+        f"[raypar] warning: skipping checkpoint {tmp_path / checkpoint_name(3)}: its checkpoint.pt is incomplete "
+        "(cut short while it was written)"
+    ]
+    # The run fell back to epoch 2 and wrote epoch 3 anew... or, after a fall-back to scratch, epoch 1:
+    # pruning keeps what it just wrote, whatever a newer name cut short says.
+    shutil.rmtree(tmp_path / checkpoint_name(2))
+    prune_checkpoints(str(tmp_path), 1)
+    assert (tmp_path / checkpoint_name(1)).exists()
+
+
+def test_a_storage_error_is_retried_then_named_not_taken_for_a_bad_checkpoint(tmp_path, monkeypatch):
+    from ray_jobs.core import checkpoint
+
+    write(tmp_path, checkpoint_name(1), 1)
+    monkeypatch.setattr(checkpoint, "READ_RETRY_S", 0.0)
+    real, failures = checkpoint.read_checkpoint, []
+
+    def flaky(directory):
+        if len(failures) < 2:
+            failures.append(directory)
+            raise OSError("AWS Error NETWORK_CONNECTION during GetObject")
+        return real(directory)
+
+    monkeypatch.setattr(checkpoint, "read_checkpoint", flaky)
+    assert latest_checkpoint(str(tmp_path)).epochs_completed == 1 and len(failures) == 2
+    failures.clear()
+    monkeypatch.setattr(checkpoint, "READ_ATTEMPTS", 2)
+    try:
+        latest_checkpoint(str(tmp_path))
+    except OSError as error:
+        assert str(error) == (
+            f"{tmp_path / checkpoint_name(1)}: checkpoint unreadable: AWS Error NETWORK_CONNECTION during GetObject"
+        )
+    else:
+        raise AssertionError("a storage error was taken for a missing checkpoint")
