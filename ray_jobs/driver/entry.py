@@ -18,6 +18,7 @@ from ray.exceptions import RayError
 from ray_jobs.core.config import ADDRESS_HELP, ArgumentParser, TrainConfig, add_flags, flag_group, from_args
 from ray_jobs.driver.connect import join, reachable
 from ray_jobs.driver.interrupts import run_until_interrupted
+from ray_jobs.driver.lease import RunLease
 from ray_jobs.driver.prepare import PreparedRun, prepare
 from ray_jobs.driver.rerun import AlreadyComplete
 from ray_jobs.driver.summary import TrainSummary
@@ -36,11 +37,12 @@ def entry_point(
     add_flags(parser, scaling_cls, "placement")
     flag_group(parser, "placement").add_argument("--address", default=None, help=ADDRESS_HELP)
     args = parser.parse_args(argv)
+    lease = RunLease()  # held until the run ends, however it ends: released last, below
     try:
         cfg, scaling = from_args(TrainConfig, args), from_args(scaling_cls, args)
         scaling.check(cfg)
         target = reachable(args.address)  # a wrong address fails in seconds, before the data is read
-        prepared = prepare(cfg, strategy)
+        prepared = prepare(cfg, strategy, claim=lease.acquire)
         if hasattr(scaling, "check_model"):  # what needs the data's widths (a user's model), still before Ray
             scaling.check_model(prepared)
         join(target, args.address)
@@ -73,6 +75,8 @@ def entry_point(
         # and its workers, or the pipeline's stages (and a local cluster started here).
         ray.shutdown()
         return 130
+    finally:
+        lease.release()
     print(summary.table())
     return 0
 

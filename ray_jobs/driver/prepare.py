@@ -95,9 +95,11 @@ def ingest_mode(cfg: TrainConfig, path: str | None = None, flag: str = "--data")
     )
 
 
-def prepare(cfg: TrainConfig, strategy: str) -> PreparedRun:
+def prepare(cfg: TrainConfig, strategy: str, claim: Callable[[str, str], None] | None = None) -> PreparedRun:
     """Everything that can be checked without Ray: a re-run's settings, data, model, initial
-    weights, storage. Raises ``AlreadyComplete`` for a finished run re-run with its settings."""
+    weights, storage. Raises ``AlreadyComplete`` for a finished run re-run with its settings.
+    ``claim(run_dir, name)``: takes the run's lease (``lease.RunLease``), once every check passed
+    and before anything is written into the run directory."""
     name = cfg.name or f"{strategy}-{datetime.now():%Y%m%d-%H%M%S}"
     check_run_name(name)
     storage_path = storage.absolute(cfg.storage_path)
@@ -113,6 +115,8 @@ def prepare(cfg: TrainConfig, strategy: str) -> PreparedRun:
         print(f"[raypar] task: {dataset.task} ({dataset.reason}; --task to choose)", flush=True)
     prepared = PreparedRun(cfg, strategy, dataset, model.state_dict(), name, storage_path, factory, val)
     storage.check_writable(run_dir)
+    if claim is not None:
+        claim(run_dir, name)
     record_settings(cfg, strategy, run_dir)
     storage.delete_file(storage.join(run_dir, FAILURE_FILE))  # a past attempt's reason
     return prepared
