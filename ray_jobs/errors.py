@@ -50,6 +50,18 @@ def os_error_line(error: OSError) -> str:
     return f"{error.filename}: {error.strerror}"
 
 
+# What an OSError says when a write failed for lack of room or rights (errno 28, 13, 30).
+WRITE_FAILURES = ("No space left on device", "Permission denied", "Read-only file system", "errno 28", "Errno 28")
+
+
+def storage_named(cause: str, run_dir: str) -> str:
+    """A root cause that a failed write left, with where it was writing: Ray Train's checkpoint
+    uploads and registry writes say what the system said but not where."""
+    if any(failure in cause for failure in WRITE_FAILURES) and run_dir not in cause:
+        return f"{cause} (writing to the run directory {run_dir.split('?', 1)[0]})"
+    return cause
+
+
 def root_cause(error: BaseException) -> str:
     """The first ``Failure`` in the error's chain (its causes, and Ray's wrapped ``cause``), else the
     innermost error's last line, without Ray's wrapping."""

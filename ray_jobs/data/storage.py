@@ -8,6 +8,7 @@ reaches the same place whatever its own environment (``AWS_ENDPOINT_URL`` includ
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 from collections.abc import Callable
@@ -88,13 +89,31 @@ def read_bytes(target: Target) -> bytes:
 
 def write(target: Target, writer: Callable[[object], None]) -> None:
     """Call ``writer(stream)`` on a temporary name, then move it into place, so a crash never
-    leaves a half-written file and a large object is serialised straight into the stream."""
+    leaves a half-written file and a large object is serialised straight into the stream. A
+    write that fails (no space left, no permission, a vanished directory) removes its temporary
+    file and raises an ``OSError`` naming the target, in one line."""
     filesystem, path = resolve(target)
-    filesystem.create_dir(path.rsplit("/", 1)[0], recursive=True)
     partial = path + ".partial"
-    with filesystem.open_output_stream(partial) as stream:
-        writer(stream)
-    filesystem.move(partial, path)
+    try:
+        filesystem.create_dir(path.rsplit("/", 1)[0], recursive=True)
+        with filesystem.open_output_stream(partial) as stream:
+            writer(stream)
+        filesystem.move(partial, path)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            filesystem.delete_file(partial)
+        raise OSError(error.errno, _os_reason(error), _shown(target)) from error
+
+
+def _os_reason(error: OSError) -> str:
+    """What the system said, without pyarrow's wrapping: ``No space left on device``."""
+    if error.errno:
+        return os.strerror(error.errno)
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _shown(target: Target) -> str:
+    return without_query(target) if isinstance(target, str) else f"{target.path}"
 
 
 def write_bytes(target: Target, data: bytes) -> None:

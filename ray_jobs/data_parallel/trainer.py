@@ -7,6 +7,7 @@ how the model is wrapped, which the caller passes in.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 from collections.abc import Callable
@@ -31,9 +32,11 @@ from ray_jobs.driver.outputs import finish, finish_trained
 from ray_jobs.driver.prepare import PreparedRun
 from ray_jobs.driver.resources import Request, gpu_sharing, wait_for_bundles
 from ray_jobs.driver.summary import TrainSummary
-from ray_jobs.errors import TrainingFailed, root_cause
+from ray_jobs.errors import TrainingFailed, root_cause, storage_named
 from ray_jobs.testing.faults import NO_FAULTS, Faults
 
+# Ray Train's registry of a run's checkpoints (ray.train.v2._internal.constants).
+REGISTRY_FILE = "checkpoint_manager_snapshot.json"
 # Ray Train's controller polls its workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (2 s by
 # default), and a worker's report waits until the controller has taken the one before: epochs
 # shorter than that were held to one per poll, and a run's end was seen up to a poll late.
@@ -77,6 +80,7 @@ def run_workers(
 
 def _fit(prepared: PreparedRun, scaling: WorkerScaling, wrap, reader, faults: Faults) -> TrainSummary:
     cfg = prepared.cfg
+    _drop_unreadable_registry(prepared.run_dir)
     loop = LoopConfig(
         train=asdict(cfg),
         dataset=ray.put(prepared.dataset),
@@ -107,15 +111,18 @@ def _fit(prepared: PreparedRun, scaling: WorkerScaling, wrap, reader, faults: Fa
             failure_config=FailureConfig(max_failures=cfg.max_failures, controller_failure_limit=cfg.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.num_checkpoints_to_keep),
             worker_runtime_env={"env_vars": WORKER_ENV},
-            # raypar prints its own progress; Ray Train's per-report INFO lines would drown it.
-            logging_config=LoggingConfig(log_level="WARNING"),
+            # raypar prints its own progress, and a failure's root cause in one line; Ray Train's
+            # per-report INFO lines and its ERROR tracebacks (the controller's, every worker's: ~40
+            # lines for one full disk) would drown both. They stay in Ray Train's own log files
+            # (<Ray session>/logs/train), which keep every level whatever this says.
+            logging_config=LoggingConfig(log_level="CRITICAL"),
         ),
     )
     try:
         with _controller_env(CONTROLLER_ENV):
             result = _fit_interruptibly(trainer)
     except ray.train.TrainingFailedError as error:
-        raise TrainingFailed(root_cause(error)) from error
+        raise TrainingFailed(storage_named(root_cause(error), prepared.run_dir)) from error
     failure = recorded_failure(prepared.run_dir)
     if failure:
         raise TrainingFailed(failure)
@@ -130,6 +137,25 @@ def _fit(prepared: PreparedRun, scaling: WorkerScaling, wrap, reader, faults: Fa
     extra["world_sizes"] = final.world_sizes or None
     world_size = final.world_sizes[-1]["num_workers"] if final.world_sizes else scaling.num_workers
     return finish(prepared, final, metrics, world_size, {"scaling": asdict(scaling)}, extra)
+
+
+def _drop_unreadable_registry(run_dir: str) -> None:
+    """Ray Train's checkpoint registry, when a write cut it short (a full disk), fails every later
+    fit of the run ("CheckpointManagerInitializationError: Expecting value"). raypar resumes from
+    the checkpoint files themselves (``usable_checkpoints``), not from the registry: one that
+    cannot be read is removed, said in one line, and Ray starts a new one."""
+    path = storage.join(run_dir, REGISTRY_FILE)
+    if not storage.exists(path):
+        return
+    try:
+        json.loads(storage.read_bytes(path))
+    except ValueError:
+        print(
+            f"[raypar] Ray Train's checkpoint registry {storage.without_query(path)} was cut short; removed "
+            "(the checkpoints themselves are read, not the registry)",
+            flush=True,
+        )
+        storage.delete_file(path)
 
 
 def _process_group(scaling: WorkerScaling) -> TorchConfig:
