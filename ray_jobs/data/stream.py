@@ -39,6 +39,10 @@ from ray_jobs.errors import Failure
 # Windows whose object-store reference the reader keeps: the one being consumed, the one before
 # (a global batch can straddle them) and the prefetched next.
 CACHED_WINDOWS = 3
+# How long a worker or stage waits for one window from the reader before the run fails in one
+# line. A window is ~65k rows (--shuffle-window-rows), read in seconds even from a bucket: ten
+# minutes of silence is a reader that is stuck or storage that does not answer, not a slow read.
+READER_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -386,7 +390,7 @@ def reader_stats(reader) -> dict[str, int]:
         return {}
     import ray
 
-    return ray.get(reader.stats.remote())
+    return ray.get(reader.stats.remote(), timeout=READER_TIMEOUT_S)
 
 
 def epoch_indices(dataset, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
@@ -463,8 +467,14 @@ class StreamSource:
                 if wanted < len(self.starts) - 1 and wanted not in self.requested:
                     self.requested[wanted] = self.reader.window.remote(self.epoch, wanted)
             began = time.perf_counter()
-            [ref] = ray.get(self.requested[k])
-            self.mapped[k] = _as_tensors(ray.get(ref))
+            try:
+                [ref] = ray.get(self.requested[k], timeout=READER_TIMEOUT_S)
+                self.mapped[k] = _as_tensors(ray.get(ref, timeout=READER_TIMEOUT_S))
+            except ray.exceptions.GetTimeoutError:
+                raise Failure(
+                    f"the stream's reader did not deliver window {k} of epoch {self.epoch + 1} within "
+                    f"{READER_TIMEOUT_S:g} s (--data on slow or unreachable storage?)"
+                ) from None
             self.wait_s += time.perf_counter() - began
             for old in [w for w in self.mapped if w < k - 1]:
                 del self.mapped[old], self.requested[old]

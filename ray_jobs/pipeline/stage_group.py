@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 
 import ray
+from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -71,7 +72,9 @@ class StageGroup:
             )
             for index in range(scaling.num_stages)
         ]
-        self.nodes = ray.get([actor.node_id.remote() for actor in self.actors])
+        self.nodes = self._get(
+            [actor.node_id.remote() for actor in self.actors], "the stage actors' start", prepared.cfg.resource_timeout
+        )
         if on_started is not None:
             on_started(self.actors)
         try:
@@ -104,26 +107,37 @@ class StageGroup:
     def gather_state(self) -> tuple[dict, dict, list, dict | None]:
         """The unsplit model's weights and optimizer state from every stage's slice, each stage's
         RNG state, and the fp16 scaler's state (the stages keep one scale: stage 0's)."""
-        parts = ray.get([actor.state.remote() for actor in self.actors])
+        parts = self._get([actor.state.remote() for actor in self.actors], "gathering the stages' state")
         weights = {k: v for stage_weights, *_ in parts for k, v in stage_weights.items()}
         optimizer = merge_named_optimizer_states([optimizer for _, optimizer, *_ in parts])
         return weights, optimizer, [rng for _, _, rng, _ in parts], parts[0][3]
 
     def take_timing(self) -> list[dict[str, float]]:
-        return ray.get([actor.take_timing.remote() for actor in self.actors])
+        return self._get([actor.take_timing.remote() for actor in self.actors], "the stages' timing")
 
     def peak_memory(self) -> list[dict[str, int | None]]:
-        return ray.get([actor.peak_memory.remote() for actor in self.actors])
+        return self._get([actor.peak_memory.remote() for actor in self.actors], "the stages' peak memory")
 
     def restore(self, state: TrainState) -> None:
         """Send each stage its own slice of ``state``, never the whole."""
         num_stages = len(self.actors)
-        ray.get(
+        self._get(
             [
                 actor.restore.remote(slice_state(state, self.keys[index], index, num_stages))
                 for index, actor in enumerate(self.actors)
-            ]
+            ],
+            "restoring the stages from the checkpoint",
         )
+
+    def _get(self, refs: list, what: str, timeout_s: float | None = None) -> list:
+        """Every stage's answer, or one line naming what did not come within ``timeout_s``
+        (default ``--batch-timeout-s``: a stage that answers no call in that long is stuck)."""
+        timeout_s = self.scaling.batch_timeout_s if timeout_s is None else timeout_s
+        try:
+            return ray.get(refs, timeout=timeout_s)
+        except GetTimeoutError:
+            flag = "--batch-timeout-s" if timeout_s == self.scaling.batch_timeout_s else "--resource-timeout"
+            raise TrainingFailed(f"{what} did not finish within {flag} {timeout_s:g}") from None
 
     def describe_failure(self, error: Exception) -> str:
         """Name the dead stage by probing every actor at once: the error alone does not say

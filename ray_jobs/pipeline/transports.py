@@ -81,8 +81,11 @@ class P2P:
 
     def __init__(self, actors: list, scaling) -> None:
         self.actors, self.batches_per_call = actors, scaling.batches_per_call
-        address = ray.get(actors[0].rendezvous_address.remote())
         timeout = scaling.batch_timeout_s
+        try:
+            address = ray.get(actors[0].rendezvous_address.remote(), timeout=timeout)
+        except GetTimeoutError:
+            raise TransportFailed(f"stage 0 gave no rendezvous address within --batch-timeout-s {timeout:g}") from None
         joins = [actor.join_group.remote(address, scaling.schedule, timeout) for actor in actors]
         try:
             # Failing fast: a stage that cannot join must not leave the others waiting out the timeout.

@@ -138,3 +138,29 @@ def test_rerun_with_same_name_resumes(ray_cluster, base):
     summary = run_strategy("pipeline", with_(base, epochs=3), scaling=scaling)
     assert summary.resumed_from_epoch == 1 and summary.epochs_completed == 3
     assert_same_weights(load_weights(summary.run_dir), reference_for(with_(base, epochs=3))[0])
+
+
+def test_a_stage_that_stops_answering_is_one_line_not_a_hang(ray_cluster):
+    """Every call the driver waits on a stage for is bounded (--batch-timeout-s; an actor's start
+    by --resource-timeout) and says what it waited for."""
+    import ray
+
+    from ray_jobs.pipeline.scaling import PipelineScaling
+    from ray_jobs.pipeline.stage_group import StageGroup
+
+    @ray.remote(num_cpus=0)
+    def stuck():
+        import time
+
+        time.sleep(60)
+
+    group = StageGroup.__new__(StageGroup)  # its waits only: no placement, no actors
+    group.scaling = PipelineScaling(batch_timeout_s=0.5)
+    ref = stuck.remote()
+    with pytest.raises(
+        TrainingFailed, match=r"^gathering the stages' state did not finish within --batch-timeout-s 0.5$"
+    ):
+        group._get([ref], "gathering the stages' state")
+    with pytest.raises(TrainingFailed, match=r"^the stage actors' start did not finish within --resource-timeout 0.2$"):
+        group._get([ref], "the stage actors' start", 0.2)
+    ray.cancel(ref, force=True)

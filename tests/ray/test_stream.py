@@ -9,10 +9,13 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from ray_jobs.core.config import TrainConfig
+from ray_jobs.data import stream
 from ray_jobs.data.parquet import synthesize, write_table
-from ray_jobs.errors import TrainingFailed
+from ray_jobs.driver.prepare import prepare
+from ray_jobs.errors import Failure, TrainingFailed
 from ray_jobs.pipeline.scaling import PipelineScaling
 from tests.helpers import (
     assert_same_weights,
@@ -108,3 +111,26 @@ def test_bad_rows_stop_the_run_at_their_window_naming_file_and_row_group(ray_clu
     with pytest.raises(TrainingFailed, match=r"part-2.parquet row group 2: column 'features' has NaN"):
         run_strategy("ddp", with_(cfg, data=str(bad), shuffle=False, checkpoint_every_steps=2), num_workers=2)
     assert list((tmp_path / "run").glob("checkpoint_epoch_000000_step_*"))  # the last good one is kept
+
+
+@pytest.mark.ray
+def test_a_reader_that_never_delivers_is_one_line_not_a_hang(ray_cluster, stream_cfg, monkeypatch):
+    """A worker waits for a window at most ``READER_TIMEOUT_S``, then fails naming what it waited for."""
+    import ray
+
+    from ray_jobs.data.stream import StreamSource
+
+    @ray.remote(num_cpus=0)
+    class StuckReader:
+        def window(self, epoch, index):
+            import time
+
+            time.sleep(60)
+
+    monkeypatch.setattr(stream, "READER_TIMEOUT_S", 0.5)
+    dataset = prepare(stream_cfg, "ddp").dataset
+    reader = StuckReader.remote()
+    source = StreamSource(dataset, reader, stream_cfg.seed, stream_cfg.shuffle)
+    with pytest.raises(Failure, match=r"the stream's reader did not deliver window 0 of epoch 1 within 0.5 s"):
+        source.rows(torch.arange(4))
+    ray.kill(reader)
