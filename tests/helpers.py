@@ -67,6 +67,9 @@ def reference_for(cfg: TrainConfig, init_state: dict | None = None):
         "momentum",
         "weight_decay",
         "precision",
+        "lr_schedule",
+        "warmup_steps",
+        "min_lr",
     )
     orders = None
     if cfg.ingest == "stream":

@@ -6,6 +6,8 @@ the strategies cannot hide in both sides of a comparison.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -29,6 +31,9 @@ def reference_train(
     init_state: dict | None = None,
     epoch_orders=None,
     precision: str = "fp32",
+    lr_schedule: str = "constant",
+    warmup_steps: int = 0,
+    min_lr: float = 0.0,
     **model_options,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     torch.manual_seed(seed)
@@ -39,6 +44,10 @@ def reference_train(
         opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     else:
         opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=weight_decay)
+    steps_per_epoch = len(features) // batch_size
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_at(s, epochs * steps_per_epoch, lr, lr_schedule, warmup_steps, min_lr) / lr
+    )
     loss_fn = nn.CrossEntropyLoss() if targets.dtype == torch.int64 else nn.MSELoss()
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
@@ -67,6 +76,19 @@ def reference_train(
                 scaler.scale(loss).backward()
                 scaler.step(opt)
                 scaler.update()
+            scheduler.step()
             total += loss.item()
         losses.append(total / steps)
     return net.state_dict(), losses
+
+
+def lr_at(step: int, total: int, lr: float, schedule: str, warmup: int, min_lr: float) -> float:
+    """nanoGPT's learning rate at optimizer step ``step`` of ``total``, written out again here."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if schedule == "constant":
+        return lr
+    progress = (step - warmup) / max(1, total - warmup)
+    if schedule == "cosine":
+        return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+    return lr - (lr - min_lr) * progress

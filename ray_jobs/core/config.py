@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from models import MODELS, is_user_model
+from ray_jobs.core.lr_schedule import LR_SCHEDULES
 
 OPTIMIZERS = ("sgd", "adamw")
 TASKS = ("auto", "regression", "classification")
@@ -114,7 +115,20 @@ class TrainConfig:
     # training
     epochs: int = field(default=3, metadata=flag_doc("passes over the data", "training"))
     batch_size: int = field(default=32, metadata=flag_doc("global batch size, split evenly across workers", "training"))
-    lr: float = field(default=0.05, metadata=flag_doc("learning rate", "training"))
+    lr: float = field(default=0.05, metadata=flag_doc("learning rate (the peak, with a schedule)", "training"))
+    lr_schedule: str = field(
+        default="constant",
+        metadata=flag_doc(
+            "the LR over the run's optimizer steps, after --warmup-steps: constant --lr, or cosine or linear "
+            "decay from --lr to --min-lr (nanoGPT's formula; README: The training contract)",
+            "training",
+            choices=LR_SCHEDULES,
+        ),
+    )
+    warmup_steps: int = field(
+        default=0, metadata=flag_doc("optimizer steps of linear warmup to --lr: lr (s+1)/W at step s", "training")
+    )
+    min_lr: float = field(default=0.0, metadata=flag_doc("the LR that cosine and linear decay reach", "training"))
     optimizer: str = field(default="sgd", metadata=flag_doc("optimizer", "training", choices=OPTIMIZERS))
     momentum: float = field(default=0.0, metadata=flag_doc("SGD momentum", "training"))
     weight_decay: float = field(default=0.0, metadata=flag_doc("weight decay (sgd and adamw)", "training"))
@@ -209,6 +223,9 @@ class TrainConfig:
             value = getattr(self, flag)
             require(value is None or value >= 1, flag, value, "at least 1")
         require(self.lr > 0, "lr", self.lr, "positive")
+        require_choice(self.lr_schedule, LR_SCHEDULES, "lr_schedule")
+        require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "zero or more")
+        require(0 <= self.min_lr <= self.lr, "min_lr", self.min_lr, f"between 0 and --lr {self.lr:g}")
         for flag in ("momentum", "weight_decay", "max_failures", "resource_timeout"):
             require(getattr(self, flag) >= 0, flag, getattr(self, flag), "zero or more")
         if self.optimizer != "sgd" and self.momentum:

@@ -36,6 +36,7 @@ from ray_jobs.core.checkpoint import (
 from ray_jobs.core.config import TrainConfig
 from ray_jobs.core.evaluation import Validation, chunk_sums, combine, is_best, my_chunks, progress, write_best_model
 from ray_jobs.core.failure_record import record_failure
+from ray_jobs.core.lr_schedule import lr_schedule
 from ray_jobs.core.model_init import make_model
 from ray_jobs.core.step import build_optimizer, grad_scaler, loss_function, non_finite_loss, rank_seed, train_step
 from ray_jobs.data import storage
@@ -123,6 +124,7 @@ class _Worker:
         self.source = open_source(dataset, loop.reader, cfg.seed, cfg.shuffle, device)
         self.first_step_at: float | None = None  # wall clock, comparable with the driver's
         self.resumed = start is not None
+        self.schedule = lr_schedule(cfg, dataset.num_rows // cfg.batch_size)
         self.losses = list(start.losses) if start else []
         self.val = ray.get(loop.val_dataset) if loop.val_dataset is not None else None
         self.val_losses = list(start.val_losses) if start else []
@@ -156,6 +158,7 @@ class _Worker:
             self.first_step_at = time.time()
         mine = (self.source.rows(shard(batch, self.world_size, self.world_rank)) for batch in batches[first_step:])
         for index, (features, targets) in enumerate(prefetched(mine, self.device)):
+            self.schedule.apply(self.optimizer, epoch * len(batches) + first_step + index)
             step_losses[index] = train_step(
                 self.wrapped,
                 self.optimizer,
@@ -212,6 +215,7 @@ class _Worker:
                 validation,
                 self.epoch_samples / seconds,
                 self.optimizer.param_groups[0]["lr"],
+                [self.schedule.at(epoch * len(step_losses) + step) for step in range(len(step_losses))],
             )
         if (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs:
             self.checkpoint(epoch + 1, 0, [])

@@ -12,6 +12,7 @@ import torch
 from ray_jobs.core.checkpoint import TrainState, latest_checkpoint, latest_progress
 from ray_jobs.core.config import TrainConfig
 from ray_jobs.core.evaluation import best_epoch
+from ray_jobs.core.lr_schedule import lr_schedule
 from ray_jobs.data import storage
 from ray_jobs.data.parquet import Dataset
 from ray_jobs.data.stream import StreamDataset
@@ -57,6 +58,7 @@ def finish(
         bytes_read=metrics.get("bytes_read", dataset.file_bytes if dataset.ingest == "memory" else None),
         data_wait_fraction=metrics.get("data_wait_fraction"),
         precision=cfg.precision,
+        lr=lr_schedule(cfg, dataset.num_rows // cfg.batch_size).readings(),
         task=dataset.task,
         **validation_summary(prepared, final),
         extra=extra or {},

@@ -22,6 +22,7 @@ from ray_jobs.core.batches import check_batch_fits
 from ray_jobs.core.config import TrainConfig
 from ray_jobs.core.evaluation import read_val_data
 from ray_jobs.core.failure_record import FAILURE_FILE
+from ray_jobs.core.lr_schedule import check_warmup
 from ray_jobs.core.model_init import initial_model
 from ray_jobs.data import storage
 from ray_jobs.data.parquet import Dataset, read_dataset, synthesize, table_to_dataset
@@ -108,6 +109,7 @@ def prepare(cfg: TrainConfig, strategy: str, claim: Callable[[str, str], None] |
     check_rerun(cfg, name, run_dir)
     dataset = load_data(cfg)
     check_batch_fits(cfg, dataset)
+    check_warmup(cfg, dataset.num_rows // cfg.batch_size)
     val = None if cfg.val_data is None else load_val_data(cfg, dataset)
     factory = ship_model_code(cfg.model)
     model = initial_model(cfg, dataset, factory)

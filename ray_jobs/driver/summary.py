@@ -29,6 +29,8 @@ class TrainSummary:
     (world rank 0's; the stages' share of their time in a pipeline); 0 in memory."""
     precision: str = "fp32"
     """``--precision``: the autocast dtype of the forward and loss (weights stay float32)."""
+    lr: dict[str, float] | None = None
+    """The LR of the run's first optimizer step, its peak and its last (``--lr-schedule``)."""
     task: str | None = None
     """``regression`` or ``classification``, as the data decided it (``predict`` needs it)."""
     val_losses: list[float] | None = None

@@ -49,11 +49,15 @@ class TrainLog:
         validation: Validation | None,
         samples_per_second: float | None,
         lr: float,
+        step_lrs: list[float] | None = None,
     ) -> None:
-        """Epoch ``epoch``'s (0-based) scalars; its global batches are steps ``epoch * len(step_losses)`` on."""
+        """Epoch ``epoch``'s (0-based) scalars; its global batches are steps ``epoch * len(step_losses)`` on;
+        ``lr``: the epoch's last step's, ``step_lrs``: each step's (``--lr-schedule``)."""
         every = max(1, len(step_losses) // MAX_STEP_POINTS_PER_EPOCH)
         for step in range(0, len(step_losses), every):
             self._scalar("train/loss", step_losses[step], epoch * len(step_losses) + step + 1)
+            if step_lrs is not None:
+                self._scalar("train/lr", step_lrs[step], epoch * len(step_losses) + step + 1)
         x = epoch + 1
         self._scalar("train/epoch_loss", loss, x)
         if validation is not None:

@@ -29,6 +29,7 @@ from ray_jobs.core.checkpoint import (
     rng_state,
 )
 from ray_jobs.core.config import TrainConfig
+from ray_jobs.core.lr_schedule import lr_schedule
 from ray_jobs.core.step import autocast, build_optimizer, grad_scaler, loss_function, rank_seed
 from ray_jobs.data.device_copy import to_device
 from ray_jobs.data.stream import open_source
@@ -88,6 +89,10 @@ class StageWorker:
         self.module = stages[stage_index].to_empty(device=self.device)
         self.module.load_state_dict(initial_slice)
         self.optimizer = build_optimizer(self.module.parameters(), cfg)
+        # The LR of each optimizer step, counted over the run as the workers count it: a restore
+        # sets where this stage's count resumes.
+        self.steps_per_epoch = dataset.num_rows // cfg.batch_size
+        self.schedule, self.optimizer_steps = lr_schedule(cfg, self.steps_per_epoch), 0
         self.scaler = grad_scaler(cfg.precision, self.device)
         if self.scaler is not None:
             # GradScaler makes its scale tensor on its first scale(); a stage before the last never
@@ -162,6 +167,8 @@ class StageWorker:
         if self.alive:
             raise RuntimeError(f"step with micro-batches {sorted(self.alive)} still waiting for backward")
         began = time.perf_counter()
+        self.schedule.apply(self.optimizer, self.optimizer_steps)
+        self.optimizer_steps += 1  # a step fp16 skips still counts, as LambdaLR counts it
         if self.scaler is None:
             self.optimizer.step()
         else:
@@ -301,6 +308,7 @@ class StageWorker:
         load_named_optimizer_state(self.optimizer, dict(self.module.named_parameters()), state.optimizer)
         restore_scaler(self.scaler, state)
         resume_rng(state.rng[0] if state.rng else None, self.seed, self.stage_index, state.epochs_completed)
+        self.optimizer_steps = state.epochs_completed * self.steps_per_epoch + state.step
 
     def peak_memory(self) -> dict[str, int | None]:
         """Peak resident memory of this stage's process, and its GPU's peak allocation."""

@@ -30,6 +30,7 @@ from ray_jobs.core.checkpoint import (
 )
 from ray_jobs.core.evaluation import Validation, is_best, progress, validate, write_best_model
 from ray_jobs.core.failure_record import record_failure
+from ray_jobs.core.lr_schedule import lr_schedule
 from ray_jobs.core.model_init import make_model
 from ray_jobs.core.step import non_finite_loss
 from ray_jobs.data import storage
@@ -131,7 +132,10 @@ def _epoch(
     state.epochs_completed, state.step, state.step_losses = epoch + 1, 0, []
     validation = _validate(stages, prepared, state)
     print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {state.losses[-1]:.6f}{progress(validation)}", flush=True)
-    attempt.log.epoch(epoch, losses, state.losses[-1], validation, new * cfg.batch_size / seconds, cfg.lr)
+    step_lrs = [lr_schedule(cfg, len(batches)).at(epoch * len(batches) + step) for step in range(len(batches))]
+    attempt.log.epoch(
+        epoch, losses, state.losses[-1], validation, new * cfg.batch_size / seconds, step_lrs[-1], step_lrs
+    )
     if state.epochs_completed % cfg.checkpoint_every == 0 or state.epochs_completed == cfg.epochs:
         _checkpoint(stages, prepared, state, gathered=validation is not None)
 

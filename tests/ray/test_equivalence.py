@@ -8,16 +8,23 @@ import time
 import pytest
 
 from ray_jobs.core.config import TrainConfig
+from ray_jobs.core.lr_schedule import LRSchedule
 from tests.helpers import assert_same_weights, load_weights, reference_for, run_strategy
 
 pytestmark = pytest.mark.ray
 
 CASES = [
     # strategy, num_workers, task, shuffle, optimizer settings
-    ("ddp", 2, "regression", True, {"momentum": 0.9}),
+    ("ddp", 2, "regression", True, {"momentum": 0.9, "lr_schedule": "cosine", "warmup_steps": 4, "min_lr": 0.005}),
     # 32 rows over 3 workers: slices of 11, 11 and 10, each loss weighted by its share
     ("ddp", 3, "regression", False, {"batch_size": 32}),
-    ("ddp", 2, "classification", True, {"optimizer": "adamw", "lr": 0.01, "weight_decay": 0.01}),
+    (
+        "ddp",
+        2,
+        "classification",
+        True,
+        {"optimizer": "adamw", "lr": 0.01, "weight_decay": 0.01, "lr_schedule": "linear"},
+    ),
     ("ddp", 2, "classification", False, {}),
     ("ddp", 1, "regression", True, {}),
     ("ddp", 1, "classification", False, {"momentum": 0.5}),
@@ -54,6 +61,8 @@ def test_matches_single_process_reference(ray_cluster, tmp_path, request, strate
     assert record["world_sizes"] == [{"num_workers": num_workers, "epoch": 0, "step": 0}]
     assert len(record["worker_nodes"]) == num_workers
     assert record["samples_per_second"] > 0
+    schedule = LRSchedule(cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr, 3 * (96 // cfg.batch_size))
+    assert record["lr"] == schedule.readings()
     # the bench reads each epoch's CPU steal (None off Linux), the first step's wall-clock time
     # and every worker's peak RSS from here
     assert len(summary.extra["epoch_steal"]) == 3

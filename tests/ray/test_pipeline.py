@@ -96,6 +96,9 @@ def test_classification_and_adamw(ray_cluster, base, classification_data):
         lr=0.01,
         weight_decay=0.01,
         epochs=3,
+        lr_schedule="cosine",  # every stage steps its own optimizer at the one LR of each step
+        warmup_steps=3,
+        min_lr=0.001,
     )
     summary = run_strategy("pipeline", cfg, scaling=PipelineScaling(num_stages=3, num_microbatches=4))
     assert_same_weights(load_weights(summary.run_dir), reference_for(cfg)[0])
@@ -116,7 +119,8 @@ def test_ddp_checkpoint_seeds_a_pipeline_and_pipeline_weights_load_into_the_mode
 
 @pytest.mark.parametrize("transport", ["p2p", "compiled", "actor_calls"])
 def test_killed_stage_resumes_from_checkpoint_with_reference_weights(ray_cluster, base, transport):
-    cfg = with_(base, model="mlp", hidden=8, depth=3, epochs=3, max_failures=1)
+    # The restarted stages resume the linear decay at the checkpoint's step.
+    cfg = with_(base, model="mlp", hidden=8, depth=3, epochs=3, max_failures=1, lr_schedule="linear", warmup_steps=2)
     scaling = PipelineScaling(num_stages=3, num_microbatches=2, transport=transport)
     summary = run_strategy("pipeline", cfg, scaling=scaling, crash_at_epoch=1)
     assert summary.resumed_from_epoch == 1

@@ -36,10 +36,11 @@ def test_worker_death_without_retries_fails_instead_of_hanging(ray_cluster, cfg,
 @pytest.mark.parametrize("strategy", ["ddp", "pipeline"])
 def test_a_dropout_model_resumes_to_the_uninterrupted_runs_weights(ray_cluster, cfg, tmp_path, strategy):
     """Every rank's (stage's) RNG state is in the checkpoint: the masks after a resume are the
-    ones the uninterrupted run drew."""
+    ones the uninterrupted run drew; and the LR schedule goes on from the checkpoint's step, not
+    from a new warmup."""
     from ray_jobs.pipeline.scaling import PipelineScaling
 
-    dropout = with_(cfg, model="mlp", depth=3, dropout=0.3)
+    dropout = with_(cfg, model="mlp", depth=3, dropout=0.3, lr_schedule="cosine", warmup_steps=4, min_lr=0.005)
     options = {"num_workers": 2} if strategy == "ddp" else {"scaling": PipelineScaling(num_stages=2)}
     uninterrupted = run_strategy(strategy, with_(dropout, name="whole"), **options)
     resumed = run_strategy(strategy, with_(dropout, name="cut", max_failures=1), crash_at_epoch=1, **options)

@@ -82,6 +82,9 @@ def check_tensorboard(run_dir: str, record: dict, cfg: TrainConfig) -> None:
         for epoch in range(cfg.epochs)
     ]
     assert per_epoch == pytest.approx(record["losses"], rel=1e-6)
+    # every global batch's LR beside its loss (--lr-schedule; constant here)
+    assert [step for step, _ in found["train/lr"]] == list(range(1, cfg.epochs * steps + 1))
+    assert [value for _, value in found["train/lr"]] == pytest.approx([cfg.lr] * cfg.epochs * steps, rel=1e-6)
 
 
 def scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
