@@ -2,75 +2,20 @@
 applies the model (each actor loads it once), and the driver writes the rows in input order.
 
 Everything that can be checked without Ray (the run, its model, the input's columns and width)
-is checked in ``load_run`` and ``check_input``, so bad input costs a second and one line.
+is checked in ``trained.load_run`` and ``check_input``, so bad input costs a second and one line.
 """
 
 from __future__ import annotations
-
-import io
-import json
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
-from torch import nn
 
-from models import build_model
-from ray_jobs.core.evaluation import BEST_MODEL_FILE
 from ray_jobs.data import storage
 from ray_jobs.data.parquet import fixed_width, parquet_files
-from ray_jobs.driver.prepare import ship_model_code
-
-WEIGHTS = {"final": "model.pt", "best": BEST_MODEL_FILE}
-
-
-@dataclass
-class TrainedModel:
-    """What an actor needs to rebuild a run's model: the summary's record and the weights' file."""
-
-    record: dict[str, Any]
-    """``summary.json``'s ``model``: ``build_model(**record)``."""
-    task: str
-    weights: storage.Location
-    factory: Callable[..., nn.Module]
-
-    def load(self, device: torch.device) -> nn.Module:
-        model = build_model(**self.record, factory=self.factory)
-        state = torch.load(io.BytesIO(storage.read_bytes(self.weights)), map_location="cpu", weights_only=True)
-        model.load_state_dict(state)
-        return model.to(device).eval()
-
-
-def load_run(run_dir: str, checkpoint: str) -> TrainedModel:
-    """The model of a finished run (``model.pt``, or ``best_model.pt`` for ``best``), checked by building it."""
-    summary_path = storage.join(run_dir, "summary.json")
-    if not storage.exists(summary_path):
-        raise ValueError(
-            f"--run-dir {run_dir} has no summary.json: not a finished raypar run (train it first, "
-            "or name its <storage-path>/<name> directory)"
-        )
-    summary = json.loads(storage.read_bytes(summary_path))
-    weights = storage.join(run_dir, WEIGHTS[checkpoint])
-    if not storage.exists(weights):
-        hint = " (the run had no --val-data)" if checkpoint == "best" else ""
-        raise ValueError(f"--run-dir {run_dir} has no {WEIGHTS[checkpoint]}{hint}")
-    task = summary.get("task") or (
-        "classification" if summary["config"].get("task") == "classification" else "regression"
-    )
-    trained = TrainedModel(summary["model"], task, storage.locate(weights), ship_model_code(summary["model"]["name"]))
-    try:
-        trained.load(torch.device("cpu"))
-    except RuntimeError as error:  # load_state_dict: the weights are not this model's
-        raise ValueError(
-            f"--run-dir {run_dir}: {WEIGHTS[checkpoint]} does not fit its summary's model: "
-            f"{str(error).splitlines()[-1].strip()}"
-        ) from None
-    return trained
+from ray_jobs.predict.trained import TrainedModel
 
 
 def check_input(path: str, feature_column: str, in_features: int) -> tuple[pafs.FileSystem, list[str]]:

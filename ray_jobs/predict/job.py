@@ -22,7 +22,8 @@ from ray_jobs.core.config import (
     require_choice,
 )
 from ray_jobs.driver.connect import join, reachable
-from ray_jobs.predict.inference import WEIGHTS, check_input, load_run, predict
+from ray_jobs.predict.inference import check_input, predict
+from ray_jobs.predict.trained import WEIGHTS, load_run
 
 
 @dataclass
@@ -49,6 +50,23 @@ class PredictConfig:
             "final: model.pt; best: best_model.pt (a run with --val-data)", "model", choices=tuple(WEIGHTS)
         ),
     )
+    model: str | None = field(
+        default=None,
+        metadata=flag_doc(
+            "the run's own model code, module.path:callable as summary.json names it: predict imports and runs a "
+            "user's model only when named here (or with --trust-model-code); a registered model needs nothing",
+            "model",
+            "none: registered models only",
+        ),
+    )
+    trust_model_code: bool = field(
+        default=False,
+        metadata=flag_doc(
+            "import and run whatever module.path:callable the run's summary.json names (its fields are still "
+            "type-checked); only for run directories you trust as you trust code",
+            "model",
+        ),
+    )
     batch_size: int = field(default=1024, metadata=flag_doc("rows per model call", "training"))
     num_workers: int = field(default=1, metadata=flag_doc("actors in the pool, each holding the model once"))
     use_gpu: bool = field(default=False, metadata=flag_doc("one GPU per actor", default_text="CPU"))
@@ -70,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = from_args(PredictConfig, args)
         target = reachable(args.address)  # a wrong address fails in seconds, before the model is read
-        trained = load_run(cfg.run_dir, cfg.checkpoint)
+        trained = load_run(cfg.run_dir, cfg.checkpoint, cfg.model, cfg.trust_model_code)
         filesystem, files = check_input(cfg.data, cfg.feature_column, trained.record["in_features"])
         join(target, args.address)
         rows = predict(

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import io
+import json
+
+import pytest
+import torch
+
+from models import build_model
 from ray_jobs.predict import job as predict
+from ray_jobs.predict.trained import load_run
 from tests.helpers import fake_run
 
 
@@ -49,3 +57,65 @@ def test_bad_input_is_one_error_line(tmp_path, capsys, regression_data):
     )
     assert "has 5 features per row; the model takes 6" in capsys.readouterr().err
     assert not (tmp_path / "o.parquet").exists()
+
+
+def _argv(run_dir, data, out, *extra: str) -> list[str]:
+    return ["--run-dir", str(run_dir), "--data", str(data), "--out", str(out), *extra]
+
+
+def _rewrite_model(run_dir, **record) -> None:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["model"] = record
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+def test_a_run_directory_is_data_a_hostile_summary_runs_nothing(tmp_path, capsys, regression_data):
+    """summary.json names a callable and its arguments; predict must not call what it names."""
+    fake_run(str(tmp_path / "run"), "regression")
+    ran = tmp_path / "ran"
+    _rewrite_model(tmp_path / "run", name="subprocess:call", in_features=["sh", "-c", f"id > {ran}"], out_features=3)
+    for extra in ([], ["--trust-model-code"], ["--model", "subprocess:call"]):
+        assert predict.main(_argv(tmp_path / "run", regression_data, tmp_path / "o.parquet", *extra)) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: --run-dir "), (extra, err)
+        assert "summary.json" in err[0] and "in_features" in err[0], err
+        assert not ran.exists()
+    # well-typed, but a callable no raypar run records: refused unless the user names it
+    _rewrite_model(tmp_path / "run", name="subprocess:call", in_features=6, out_features=3, shell="id")
+    assert predict.main(_argv(tmp_path / "run", regression_data, tmp_path / "o.parquet")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--model subprocess:call" in err[0] and "--trust-model-code" in err[0], err
+    assert not ran.exists()
+    bad_fields = [
+        ({"name": 7, "in_features": 6, "out_features": 3}, "name"),
+        ({"name": "seed-mlp", "in_features": True, "out_features": 3}, "in_features"),
+        ({"name": "seed-mlp", "in_features": 6, "out_features": 0}, "out_features"),
+        ({"name": "seed-mlp", "in_features": 6, "out_features": 3, "hidden": [8]}, "hidden"),
+        ({"name": "seed-mlp", "in_features": 6, "out_features": 3, "hidden": {"a": 1}}, "hidden"),
+    ]
+    for record, field_name in bad_fields:
+        _rewrite_model(tmp_path / "run", **record)
+        assert predict.main(_argv(tmp_path / "run", regression_data, tmp_path / "o.parquet")) == 2, record
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "summary.json" in err[0] and field_name in err[0], (record, err)
+
+
+def test_a_user_model_is_built_when_the_user_names_it_or_trusts_the_run(tmp_path, user_module, regression_data):
+    """``--model`` naming the run's callable, or ``--trust-model-code``, lets ``load_run`` build it."""
+    name = f"{user_module}:build"
+    fake_run(str(tmp_path / "run"), "regression")
+    record = {"name": name, "in_features": 6, "out_features": 3, "hidden": 5, "act": "tanh"}
+    _rewrite_model(tmp_path / "run", **record)
+    weights = build_model(**record).state_dict()
+    buffer = io.BytesIO()
+    torch.save(weights, buffer)
+    (tmp_path / "run" / "model.pt").write_bytes(buffer.getvalue())
+    for model, trust in ((name, False), (None, True)):
+        trained = load_run(str(tmp_path / "run"), "final", model=model, trust_model_code=trust)
+        assert trained.record == record
+        got = trained.load(torch.device("cpu")).state_dict()
+        assert all(torch.equal(got[key], weights[key]) for key in weights)
+    with pytest.raises(ValueError, match=r"add --model .*:build \(or --trust-model-code"):
+        load_run(str(tmp_path / "run"), "final", model=None, trust_model_code=False)
+    with pytest.raises(ValueError, match=r"--model seed-mlp does not match the run's model"):
+        load_run(str(tmp_path / "run"), "final", model="seed-mlp", trust_model_code=False)
