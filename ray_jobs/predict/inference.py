@@ -1,8 +1,8 @@
 """Batch prediction with a trained run's model: Ray Data reads the Parquet input, an actor pool
 applies the model (each actor loads it once), and the driver writes the rows in input order.
 
-Everything that can be checked without Ray (the run, its model, the input's columns and width)
-is checked in ``trained.load_run`` and ``check_input``, so bad input costs a second and one line.
+Everything that can be checked without Ray (the run and its model in ``trained``; here the
+input's columns and width) is checked before Ray starts, so bad input costs a second and one line.
 """
 
 from __future__ import annotations
@@ -16,6 +16,15 @@ import torch
 from ray_jobs.data import storage
 from ray_jobs.data.parquet import fixed_width, parquet_files
 from ray_jobs.predict.trained import TrainedModel
+
+# Ray Data's read tasks take this many CPUs each (its default); the actor pool leaves them free.
+READ_CPUS = 1.0
+# Ray schedules resources in steps of 1/10,000: an actor's share is rounded down to one.
+CPU_STEPS = 10_000
+
+
+class PredictFailed(RuntimeError):
+    """Prediction stopped after Ray started; the message is one line."""
 
 
 def check_input(path: str, feature_column: str, in_features: int) -> tuple[pafs.FileSystem, list[str]]:
@@ -47,6 +56,9 @@ class Predictor:
     """One actor of the pool: loads the model once, then appends predictions to each batch."""
 
     def __init__(self, trained: TrainedModel, feature_column: str, use_gpu: bool) -> None:
+        # One thread: an actor holds at most one CPU's share (``split_cpus``), and torch's default
+        # of a thread per core would have every actor of the pool contend for every core.
+        torch.set_num_threads(1)
         self.device = torch.device("cuda" if use_gpu else "cpu")
         self.model, self.task, self.feature_column = trained.load(self.device), trained.task, feature_column
 
@@ -66,6 +78,21 @@ def _lists(matrix: np.ndarray) -> pa.Array:
     return pa.FixedSizeListArray.from_arrays(pa.array(matrix.reshape(-1)), matrix.shape[1]).cast(pa.list_(pa.float32()))
 
 
+def split_cpus(num_workers: int, cluster_cpus: float) -> tuple[float, float]:
+    """CPUs for each read task and for each actor: the pool together leaves a read's CPUs free.
+
+    A pool that holds every CPU starves Ray Data's read tasks, and predict waited forever with
+    no rows to predict (1 CPU per actor, --num-workers 4 on 4 CPUs). So each actor takes at most
+    1 CPU and the pool at most the cluster's CPUs less one read's (1 CPU; half the cluster on one
+    of under 2 CPUs): an actor's work is a forward pass on one thread, a fraction of a CPU each
+    costs little, while reads that never run cost everything."""
+    reads = min(READ_CPUS, cluster_cpus / 2)
+    share = min(1.0, (round((cluster_cpus - reads) * CPU_STEPS) // num_workers) / CPU_STEPS)
+    if share <= 0:
+        raise ValueError(f"--num-workers {num_workers}: more actors than the cluster's {cluster_cpus:g} CPUs can share")
+    return reads, share
+
+
 def predict(
     trained: TrainedModel,
     filesystem: pafs.FileSystem,
@@ -75,19 +102,26 @@ def predict(
     batch_size: int,
     num_workers: int,
     use_gpu: bool,
+    stall_timeout_s: float,
 ) -> int:
     """Run the actor pool over ``files`` and write ``out``; returns the rows written. Ray must be connected."""
+    import ray
     import ray.data
+    from ray.data.exceptions import ExecutionTimeoutError
 
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True  # output rows in input order
     context.enable_progress_bars = False  # raypar prints its own one line
-    dataset = ray.data.read_parquet(files, filesystem=filesystem).map_batches(
+    # Ray Data's own guard: no block moving for this long ends the run instead of a silent wait.
+    context.execution_no_progress_timeout_s = stall_timeout_s
+    read_cpus, cpus = split_cpus(num_workers, ray.cluster_resources().get("CPU", 0.0))
+    dataset = ray.data.read_parquet(files, filesystem=filesystem, num_cpus=read_cpus).map_batches(
         Predictor,
         fn_constructor_kwargs={"trained": trained, "feature_column": feature_column, "use_gpu": use_gpu},
         batch_format="pyarrow",
         batch_size=batch_size,
-        concurrency=num_workers,
+        compute=ray.data.ActorPoolStrategy(size=num_workers),
+        num_cpus=cpus,
         num_gpus=1 if use_gpu else 0,
     )
     rows = 0
@@ -103,5 +137,12 @@ def predict(
         if writer is not None:
             writer.close()
 
-    storage.write(out, write)
+    try:
+        storage.write(out, write)
+    except ExecutionTimeoutError:
+        raise PredictFailed(
+            f"no predictions for {stall_timeout_s:g} s (--stall-timeout-s): waited for {num_workers} actors "
+            f"({cpus:g} CPU{', 1 GPU' if use_gpu else ''} each) and Ray Data's reads of --data; "
+            "`ray status` shows what the cluster lacks"
+        ) from None
     return rows

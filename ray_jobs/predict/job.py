@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
+from ray.exceptions import RayError
+
 from ray_jobs.core.config import (
     ADDRESS_HELP,
     ArgumentParser,
@@ -22,7 +24,8 @@ from ray_jobs.core.config import (
     require_choice,
 )
 from ray_jobs.driver.connect import join, reachable
-from ray_jobs.predict.inference import check_input, predict
+from ray_jobs.errors import root_cause
+from ray_jobs.predict.inference import PredictFailed, check_input, predict
 from ray_jobs.predict.trained import WEIGHTS, load_run
 
 
@@ -70,6 +73,13 @@ class PredictConfig:
     batch_size: int = field(default=1024, metadata=flag_doc("rows per model call", "training"))
     num_workers: int = field(default=1, metadata=flag_doc("actors in the pool, each holding the model once"))
     use_gpu: bool = field(default=False, metadata=flag_doc("one GPU per actor", default_text="CPU"))
+    stall_timeout_s: float = field(
+        default=600.0,
+        metadata=flag_doc(
+            "fail when no rows move through the prediction pipeline for this long (s): actors that cannot start, "
+            "reads that get no CPU"
+        ),
+    )
 
     def __post_init__(self) -> None:
         for flag in ("run_dir", "data", "out"):
@@ -78,6 +88,7 @@ class PredictConfig:
         require_choice(self.checkpoint, tuple(WEIGHTS), "checkpoint")
         require(self.batch_size >= 1, "batch_size", self.batch_size, "at least 1")
         require(self.num_workers >= 1, "num_workers", self.num_workers, "at least 1")
+        require(self.stall_timeout_s > 0, "stall_timeout_s", self.stall_timeout_s, "positive")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,10 +103,29 @@ def main(argv: list[str] | None = None) -> int:
         filesystem, files = check_input(cfg.data, cfg.feature_column, trained.record["in_features"])
         join(target, args.address)
         rows = predict(
-            trained, filesystem, files, cfg.out, cfg.feature_column, cfg.batch_size, cfg.num_workers, cfg.use_gpu
+            trained,
+            filesystem,
+            files,
+            cfg.out,
+            cfg.feature_column,
+            cfg.batch_size,
+            cfg.num_workers,
+            cfg.use_gpu,
+            cfg.stall_timeout_s,
         )
+    except RayError as error:  # before ValueError: Ray re-raises an actor's ValueError as one
+        print(f"error: prediction failed: {root_cause(error)}", file=sys.stderr)
+        return 1
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except PredictFailed as error:
+        print(f"error: prediction failed: {_first_line(error)}", file=sys.stderr)
+        return 1
     print(f"[raypar] wrote {rows:,} predictions ({trained.task}, {cfg.checkpoint} model) to {cfg.out}")
     return 0
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__

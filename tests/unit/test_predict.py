@@ -10,6 +10,7 @@ import torch
 
 from models import build_model
 from ray_jobs.predict import job as predict
+from ray_jobs.predict.inference import split_cpus
 from ray_jobs.predict.trained import load_run
 from tests.helpers import fake_run
 
@@ -119,3 +120,17 @@ def test_a_user_model_is_built_when_the_user_names_it_or_trusts_the_run(tmp_path
         load_run(str(tmp_path / "run"), "final", model=None, trust_model_code=False)
     with pytest.raises(ValueError, match=r"--model seed-mlp does not match the run's model"):
         load_run(str(tmp_path / "run"), "final", model="seed-mlp", trust_model_code=False)
+
+
+def test_the_actor_pool_always_leaves_a_cpu_for_reads():
+    """split_cpus: each actor at most 1 CPU, the pool at most the cluster less one read's CPUs."""
+    assert split_cpus(1, 4.0) == (1.0, 1.0)
+    assert split_cpus(3, 4.0) == (1.0, 1.0)
+    assert split_cpus(4, 4.0) == (1.0, 0.75)
+    assert split_cpus(5, 4.0) == (1.0, 0.6)
+    assert split_cpus(3, 1.0) == (0.5, 0.1666)  # under 2 CPUs: half for reads; shares round down
+    for num_workers, cluster_cpus in ((4, 4.0), (5, 4.0), (7, 3.0), (3, 1.0), (64, 16.0)):
+        reads, each = split_cpus(num_workers, cluster_cpus)
+        assert each <= 1 and num_workers * each + reads <= cluster_cpus, (num_workers, cluster_cpus)
+    with pytest.raises(ValueError, match="--num-workers 100000: more actors than the cluster's 4 CPUs can share"):
+        split_cpus(100_000, 4.0)
