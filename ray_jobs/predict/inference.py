@@ -2,10 +2,14 @@
 applies the model (each actor loads it once), and the driver writes the rows in input order.
 
 Everything that can be checked without Ray (the run and its model in ``trained``; here the
-input's columns and width) is checked before Ray starts, so bad input costs a second and one line.
+input's columns and width, and where the output goes) is checked before Ray starts, so bad input
+costs a second and one line.
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -52,6 +56,50 @@ def check_input(path: str, feature_column: str, in_features: int) -> tuple[pafs.
     return filesystem, files
 
 
+def check_output(out: str, data: str) -> storage.Location:
+    """``out``, resolved, once it is a place to write a new file that training will not read as data."""
+    out_fs, out_path = _real(out)
+    data_fs, data_path = _real(data)
+    same_store = out_fs.type_name == data_fs.type_name
+    if same_store and out_path == data_path:
+        raise ValueError(f"--out {out} is --data itself: name a new file, the input stays as it is")
+    # A directory of data is what a later `--data DIR` training run reads, every Parquet file
+    # under it: predictions written there would become training rows. Beside a single --data file
+    # is fine: that file alone is the data.
+    data_is_dir = data_fs.get_file_info(data_path).type == pafs.FileType.Directory
+    if same_store and data_is_dir and out_path.startswith(data_path.rstrip("/") + "/"):
+        raise ValueError(
+            f"--out {out} is inside --data's directory {data}: training on that directory would read "
+            "the predictions as data; write them elsewhere"
+        )
+    if out_fs.get_file_info(out_path).type == pafs.FileType.Directory:
+        raise ValueError(f"--out {out} is a directory: name the Parquet file to write (e.g. {out}/predictions.parquet)")
+    parent = out_path.rstrip("/").rpartition("/")[0]
+    if parent and out_fs.get_file_info(parent).type == pafs.FileType.File:
+        raise ValueError(f"--out {out}: {parent} is a file, not a directory to write into")
+    return storage.locate(out)
+
+
+def _real(target: str) -> tuple[pafs.FileSystem, str]:
+    """A path as the filesystem sees it; a local one with its symlinks followed, so two names of
+    one file compare equal."""
+    filesystem, path = storage.resolve(target)
+    return (filesystem, os.path.realpath(path)) if isinstance(filesystem, pafs.LocalFileSystem) else (filesystem, path)
+
+
+def prediction_fields(task: str) -> list[pa.Field]:
+    """The columns prediction appends to the input's: the one place their names and types are set."""
+    if task == "classification":
+        return [pa.field("prediction", pa.int64()), pa.field("probabilities", pa.list_(pa.float32()))]
+    return [pa.field("prediction", pa.list_(pa.float32()))]
+
+
+def output_schema(input_schema: pa.Schema, task: str) -> pa.Schema:
+    for appended in prediction_fields(task):
+        input_schema = input_schema.append(appended)
+    return input_schema
+
+
 class Predictor:
     """One actor of the pool: loads the model once, then appends predictions to each batch."""
 
@@ -63,14 +111,17 @@ class Predictor:
         self.model, self.task, self.feature_column = trained.load(self.device), trained.task, feature_column
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        if not batch.num_rows:  # an empty file's block: fixed_width refuses a column of no rows
+            return output_schema(batch.schema, self.task).empty_table()
         features = torch.from_numpy(fixed_width(batch.column(self.feature_column), self.feature_column))
         with torch.no_grad():
             out = self.model(features.to(self.device)).float().cpu()
+        fields = prediction_fields(self.task)
         if self.task == "classification":
             probabilities = torch.softmax(out, dim=1).numpy()
-            batch = batch.append_column("prediction", pa.array(out.argmax(dim=1).numpy()))
-            return batch.append_column("probabilities", _lists(probabilities))
-        return batch.append_column("prediction", _lists(out.numpy()))
+            batch = batch.append_column(fields[0], pa.array(out.argmax(dim=1).numpy()))
+            return batch.append_column(fields[1], _lists(probabilities))
+        return batch.append_column(fields[0], _lists(out.numpy()))
 
 
 def _lists(matrix: np.ndarray) -> pa.Array:
@@ -97,7 +148,8 @@ def predict(
     trained: TrainedModel,
     filesystem: pafs.FileSystem,
     files: list[str],
-    out: str,
+    out: storage.Location,
+    *,
     feature_column: str,
     batch_size: int,
     num_workers: int,
@@ -124,25 +176,40 @@ def predict(
         num_cpus=cpus,
         num_gpus=1 if use_gpu else 0,
     )
-    rows = 0
-
-    def write(stream) -> None:
-        nonlocal rows
-        writer = None
-        for batch in dataset.iter_batches(batch_format="pyarrow", batch_size=None):
-            if writer is None:
-                writer = pq.ParquetWriter(stream, batch.schema)
-            writer.write_table(batch)
-            rows += batch.num_rows
-        if writer is not None:
-            writer.close()
-
+    schema = output_schema(pq.read_schema(files[0], filesystem=filesystem), trained.task)
     try:
-        storage.write(out, write)
+        return write_parquet(out, dataset.iter_batches(batch_format="pyarrow", batch_size=None), schema)
     except ExecutionTimeoutError:
         raise PredictFailed(
             f"no predictions for {stall_timeout_s:g} s (--stall-timeout-s): waited for {num_workers} actors "
             f"({cpus:g} CPU{', 1 GPU' if use_gpu else ''} each) and Ray Data's reads of --data; "
             "`ray status` shows what the cluster lacks"
         ) from None
+
+
+def write_parquet(out: storage.Location, batches, schema: pa.Schema) -> int:
+    """Write ``batches`` to ``out`` whole or not at all; returns the rows written.
+
+    No batch (an input of 0 rows) still writes a valid Parquet file of ``schema`` and no rows:
+    the output has the input's rows, all 0 of them, and a pipeline reading it gets the columns it
+    expects rather than a refusal to handle on empty days."""
+    rows = 0
+
+    def write(stream) -> None:
+        nonlocal rows
+        with pq.ParquetWriter(stream, schema) as writer:
+            for batch in batches:
+                if batch.num_rows:
+                    writer.write_table(batch.cast(schema))
+                    rows += batch.num_rows
+
+    try:
+        storage.write(out, write)
+    except BaseException:
+        # storage.write leaves its temporary <out>.partial when the writer fails (Ctrl-C, a Ray
+        # error mid-stream); nothing half-written may stay beside the output. A failed delete
+        # must not hide the error that matters.
+        with contextlib.suppress(OSError):
+            storage.delete_file(storage.Location(out.filesystem, out.path + ".partial"))
+        raise
     return rows

@@ -25,7 +25,7 @@ from ray_jobs.core.config import (
 )
 from ray_jobs.driver.connect import join, reachable
 from ray_jobs.errors import root_cause
-from ray_jobs.predict.inference import PredictFailed, check_input, predict
+from ray_jobs.predict.inference import PredictFailed, check_input, check_output, predict
 from ray_jobs.predict.trained import WEIGHTS, load_run
 
 
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = from_args(PredictConfig, args)
         target = reachable(args.address)  # a wrong address fails in seconds, before the model is read
+        out = check_output(cfg.out, cfg.data)  # before any work: a bad --out used to fail after every prediction
         trained = load_run(cfg.run_dir, cfg.checkpoint, cfg.model, cfg.trust_model_code)
         filesystem, files = check_input(cfg.data, cfg.feature_column, trained.record["in_features"])
         join(target, args.address)
@@ -106,12 +107,12 @@ def main(argv: list[str] | None = None) -> int:
             trained,
             filesystem,
             files,
-            cfg.out,
-            cfg.feature_column,
-            cfg.batch_size,
-            cfg.num_workers,
-            cfg.use_gpu,
-            cfg.stall_timeout_s,
+            out,
+            feature_column=cfg.feature_column,
+            batch_size=cfg.batch_size,
+            num_workers=cfg.num_workers,
+            use_gpu=cfg.use_gpu,
+            stall_timeout_s=cfg.stall_timeout_s,
         )
     except RayError as error:  # before ValueError: Ray re-raises an actor's ValueError as one
         print(f"error: prediction failed: {root_cause(error)}", file=sys.stderr)
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except PredictFailed as error:
+    except (PredictFailed, OSError) as error:  # OSError: reading --data or writing --out after the checks
         print(f"error: prediction failed: {_first_line(error)}", file=sys.stderr)
         return 1
     print(f"[raypar] wrote {rows:,} predictions ({trained.task}, {cfg.checkpoint} model) to {cfg.out}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from ray_jobs.predict import job as predict
@@ -29,4 +31,20 @@ def test_a_pool_that_cannot_start_ends_in_one_line_not_a_hang(ray_cluster, tmp_p
     assert predict.main([*argv, "--use-gpu", "--stall-timeout-s", "5"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: prediction failed: no predictions for 5 s (--stall-timeout-s)"), err
-    assert not (tmp_path / "pred.parquet").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "run"]  # no pred.parquet, no .partial
+
+
+@pytest.mark.parametrize("task", ["regression", "classification"])
+def test_an_input_of_no_rows_writes_a_valid_empty_file_with_the_output_columns(ray_cluster, tmp_path, task):
+    """0 rows in, 0 rows out: a valid Parquet file with the input's columns and the prediction's
+    (it was a 0-byte file that nothing could read)."""
+    fake_run(str(tmp_path / "run"), task)
+    schema = pa.schema([pa.field("features", pa.list_(pa.float32())), pa.field("target", pa.list_(pa.float32()))])
+    pq.write_table(schema.empty_table(), tmp_path / "empty.parquet")
+    argv = ["--run-dir", str(tmp_path / "run"), "--data", str(tmp_path / "empty.parquet")]
+    assert predict.main([*argv, "--out", str(tmp_path / "pred.parquet")]) == 0
+    table = pq.read_table(tmp_path / "pred.parquet")
+    appended = ["prediction", "probabilities"] if task == "classification" else ["prediction"]
+    assert table.num_rows == 0 and table.column_names == ["features", "target", *appended]
+    prediction_type = pa.int64() if task == "classification" else pa.list_(pa.float32())
+    assert table.schema.field("prediction").type == prediction_type

@@ -5,14 +5,15 @@ from __future__ import annotations
 import io
 import json
 
+import pyarrow as pa
 import pytest
 import torch
 
 from models import build_model
 from ray_jobs.predict import job as predict
-from ray_jobs.predict.inference import split_cpus
+from ray_jobs.predict.inference import check_output, split_cpus, write_parquet
 from ray_jobs.predict.trained import load_run
-from tests.helpers import fake_run
+from tests.helpers import fake_run, write_parts
 
 
 def test_bad_input_is_one_error_line(tmp_path, capsys, regression_data):
@@ -134,3 +135,44 @@ def test_the_actor_pool_always_leaves_a_cpu_for_reads():
         assert each <= 1 and num_workers * each + reads <= cluster_cpus, (num_workers, cluster_cpus)
     with pytest.raises(ValueError, match="--num-workers 100000: more actors than the cluster's 4 CPUs can share"):
         split_cpus(100_000, 4.0)
+
+
+def test_out_is_checked_before_any_work_and_never_over_the_data(tmp_path, capsys, regression_data, monkeypatch):
+    """A directory as --out, --out equal to --data or inside --data's directory: one line, before
+    the run is read (load_run is not reached), nothing written."""
+    fake_run(str(tmp_path / "run"), "regression")
+    data_dir = tmp_path / "new"
+    write_parts(str(data_dir))
+    (tmp_path / "outdir").mkdir()
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setattr(predict, "load_run", lambda *a, **k: pytest.fail("--out is checked before the run is read"))
+    cases = [
+        (data_dir, tmp_path / "outdir", "is a directory: name the Parquet file to write"),
+        (data_dir, tmp_path / "a_file" / "pred.parquet", "a_file is a file, not a directory to write into"),
+        (data_dir, data_dir, "is --data itself"),
+        (regression_data, regression_data, "is --data itself"),
+        (data_dir, data_dir / "pred.parquet", "is inside --data's directory"),
+        (data_dir, data_dir / "deeper" / "pred.parquet", "is inside --data's directory"),
+    ]
+    for data, out, message in cases:
+        before = sorted(p.name for p in tmp_path.rglob("*"))
+        assert predict.main(_argv(tmp_path / "run", data, out)) == 2, (data, out)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: --out {out}") and message in err[0], err
+        assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing written, not even .partial
+    # beside a single --data file is fine: that file alone is the data
+    assert check_output(str(tmp_path / "pred.parquet"), regression_data).path == str(tmp_path / "pred.parquet")
+
+
+def test_a_failed_write_leaves_no_partial_file(tmp_path):
+    """Predictions that fail mid-stream (a Ray error, Ctrl-C) leave neither <out> nor <out>.partial."""
+    schema = pa.schema([pa.field("features", pa.list_(pa.float32()))])
+    out = check_output(str(tmp_path / "pred.parquet"), str(tmp_path / "data.parquet"))
+
+    def batches():
+        yield pa.table({"features": [[1.0, 2.0]]}, schema=schema)
+        raise OSError("the object store went away")
+
+    with pytest.raises(OSError, match="went away"):
+        write_parquet(out, batches(), schema)
+    assert list(tmp_path.iterdir()) == []
