@@ -9,6 +9,7 @@ costs a second and one line.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 
 import numpy as np
@@ -161,27 +162,31 @@ def predict(
     import ray.data
     from ray.data.exceptions import ExecutionTimeoutError
 
-    context = ray.data.DataContext.get_current()
+    # A context of predict's own: a dataset keeps the one current when it is made, and the
+    # process's (a test session's, a notebook's) stays as it was.
+    context = copy.deepcopy(ray.data.DataContext.get_current())
     context.execution_options.preserve_order = True  # output rows in input order
     context.enable_progress_bars = False  # raypar prints its own one line
     # Ray Data's own guard: no block moving for this long ends the run instead of a silent wait.
     context.execution_no_progress_timeout_s = stall_timeout_s
     read_cpus, cpus = split_cpus(num_workers, ray.cluster_resources().get("CPU", 0.0))
-    dataset = ray.data.read_parquet(files, filesystem=filesystem, num_cpus=read_cpus).map_batches(
-        Predictor,
-        fn_constructor_kwargs={"trained": trained, "feature_column": feature_column, "use_gpu": use_gpu},
-        batch_format="pyarrow",
-        batch_size=batch_size,
-        compute=ray.data.ActorPoolStrategy(size=num_workers),
-        num_cpus=cpus,
-        num_gpus=1 if use_gpu else 0,
-    )
+    with ray.data.DataContext.current(context):
+        dataset = ray.data.read_parquet(files, filesystem=filesystem, num_cpus=read_cpus).map_batches(
+            Predictor,
+            fn_constructor_kwargs={"trained": trained, "feature_column": feature_column, "use_gpu": use_gpu},
+            batch_format="pyarrow",
+            batch_size=batch_size,
+            compute=ray.data.ActorPoolStrategy(size=num_workers),
+            num_cpus=cpus,
+            num_gpus=1 if use_gpu else 0,
+        )
     schema = output_schema(pq.read_schema(files[0], filesystem=filesystem), trained.task)
     try:
         return write_parquet(out, dataset.iter_batches(batch_format="pyarrow", batch_size=None), schema)
     except ExecutionTimeoutError:
+        actors = f"{num_workers} actor{'s' if num_workers > 1 else ''}"
         raise PredictFailed(
-            f"no predictions for {stall_timeout_s:g} s (--stall-timeout-s): waited for {num_workers} actors "
+            f"no predictions for {stall_timeout_s:g} s (--stall-timeout-s): waited for {actors} "
             f"({cpus:g} CPU{', 1 GPU' if use_gpu else ''} each) and Ray Data's reads of --data; "
             "`ray status` shows what the cluster lacks"
         ) from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import ray.data
 
 from ray_jobs.predict import job as predict
 from tests.helpers import fake_run, predicts_the_model_in_input_order, write_parts
@@ -32,6 +33,8 @@ def test_a_pool_that_cannot_start_ends_in_one_line_not_a_hang(ray_cluster, tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: prediction failed: no predictions for 5 s (--stall-timeout-s)"), err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new", "run"]  # no pred.parquet, no .partial
+    # predict's settings stay in its own context: the session's other datasets keep Ray Data's defaults
+    assert ray.data.DataContext.get_current().execution_no_progress_timeout_s != 5
 
 
 @pytest.mark.parametrize("task", ["regression", "classification"])
