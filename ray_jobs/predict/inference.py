@@ -1,76 +1,35 @@
 """Batch prediction with a trained run's model: Ray Data reads the Parquet input, an actor pool
 applies the model (each actor loads it once), and the driver writes the rows in input order.
 
-Everything that can be checked without Ray (the run, its model, the input's columns and width)
-is checked in ``load_run`` and ``check_input``, so bad input costs a second and one line.
+Everything that can be checked without Ray (the run and its model in ``trained``; here the
+input's columns and width, and where the output goes) is checked before Ray starts, so bad input
+costs a second and one line.
 """
 
 from __future__ import annotations
 
-import io
-import json
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+import contextlib
+import copy
+import os
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
-from torch import nn
 
-from models import build_model
-from ray_jobs.core.evaluation import BEST_MODEL_FILE
 from ray_jobs.data import storage
 from ray_jobs.data.parquet import fixed_width, parquet_files
-from ray_jobs.driver.prepare import ship_model_code
+from ray_jobs.predict.trained import TrainedModel
 
-WEIGHTS = {"final": "model.pt", "best": BEST_MODEL_FILE}
-
-
-@dataclass
-class TrainedModel:
-    """What an actor needs to rebuild a run's model: the summary's record and the weights' file."""
-
-    record: dict[str, Any]
-    """``summary.json``'s ``model``: ``build_model(**record)``."""
-    task: str
-    weights: storage.Location
-    factory: Callable[..., nn.Module]
-
-    def load(self, device: torch.device) -> nn.Module:
-        model = build_model(**self.record, factory=self.factory)
-        state = torch.load(io.BytesIO(storage.read_bytes(self.weights)), map_location="cpu", weights_only=True)
-        model.load_state_dict(state)
-        return model.to(device).eval()
+# Ray Data's read tasks take this many CPUs each (its default); the actor pool leaves them free.
+READ_CPUS = 1.0
+# Ray schedules resources in steps of 1/10,000: an actor's share is rounded down to one.
+CPU_STEPS = 10_000
 
 
-def load_run(run_dir: str, checkpoint: str) -> TrainedModel:
-    """The model of a finished run (``model.pt``, or ``best_model.pt`` for ``best``), checked by building it."""
-    summary_path = storage.join(run_dir, "summary.json")
-    if not storage.exists(summary_path):
-        raise ValueError(
-            f"--run-dir {run_dir} has no summary.json: not a finished raypar run (train it first, "
-            "or name its <storage-path>/<name> directory)"
-        )
-    summary = json.loads(storage.read_bytes(summary_path))
-    weights = storage.join(run_dir, WEIGHTS[checkpoint])
-    if not storage.exists(weights):
-        hint = " (the run had no --val-data)" if checkpoint == "best" else ""
-        raise ValueError(f"--run-dir {run_dir} has no {WEIGHTS[checkpoint]}{hint}")
-    task = summary.get("task") or (
-        "classification" if summary["config"].get("task") == "classification" else "regression"
-    )
-    trained = TrainedModel(summary["model"], task, storage.locate(weights), ship_model_code(summary["model"]["name"]))
-    try:
-        trained.load(torch.device("cpu"))
-    except RuntimeError as error:  # load_state_dict: the weights are not this model's
-        raise ValueError(
-            f"--run-dir {run_dir}: {WEIGHTS[checkpoint]} does not fit its summary's model: "
-            f"{str(error).splitlines()[-1].strip()}"
-        ) from None
-    return trained
+class PredictFailed(RuntimeError):
+    """Prediction stopped after Ray started; the message is one line."""
 
 
 def check_input(path: str, feature_column: str, in_features: int) -> tuple[pafs.FileSystem, list[str]]:
@@ -98,22 +57,72 @@ def check_input(path: str, feature_column: str, in_features: int) -> tuple[pafs.
     return filesystem, files
 
 
+def check_output(out: str, data: str) -> storage.Location:
+    """``out``, resolved, once it is a place to write a new file that training will not read as data."""
+    out_fs, out_path = _real(out)
+    data_fs, data_path = _real(data)
+    same_store = out_fs.type_name == data_fs.type_name
+    if same_store and out_path == data_path:
+        raise ValueError(f"--out {out} is --data itself: name a new file, the input stays as it is")
+    # A directory of data is what a later `--data DIR` training run reads, every Parquet file
+    # under it: predictions written there would become training rows. Beside a single --data file
+    # is fine: that file alone is the data.
+    data_is_dir = data_fs.get_file_info(data_path).type == pafs.FileType.Directory
+    if same_store and data_is_dir and out_path.startswith(data_path.rstrip("/") + "/"):
+        raise ValueError(
+            f"--out {out} is inside --data's directory {data}: training on that directory would read "
+            "the predictions as data; write them elsewhere"
+        )
+    if out_fs.get_file_info(out_path).type == pafs.FileType.Directory:
+        raise ValueError(f"--out {out} is a directory: name the Parquet file to write (e.g. {out}/predictions.parquet)")
+    parent = out_path.rstrip("/").rpartition("/")[0]
+    if parent and out_fs.get_file_info(parent).type == pafs.FileType.File:
+        raise ValueError(f"--out {out}: {parent} is a file, not a directory to write into")
+    return storage.locate(out)
+
+
+def _real(target: str) -> tuple[pafs.FileSystem, str]:
+    """A path as the filesystem sees it; a local one with its symlinks followed, so two names of
+    one file compare equal."""
+    filesystem, path = storage.resolve(target)
+    return (filesystem, os.path.realpath(path)) if isinstance(filesystem, pafs.LocalFileSystem) else (filesystem, path)
+
+
+def prediction_fields(task: str) -> list[pa.Field]:
+    """The columns prediction appends to the input's: the one place their names and types are set."""
+    if task == "classification":
+        return [pa.field("prediction", pa.int64()), pa.field("probabilities", pa.list_(pa.float32()))]
+    return [pa.field("prediction", pa.list_(pa.float32()))]
+
+
+def output_schema(input_schema: pa.Schema, task: str) -> pa.Schema:
+    for appended in prediction_fields(task):
+        input_schema = input_schema.append(appended)
+    return input_schema
+
+
 class Predictor:
     """One actor of the pool: loads the model once, then appends predictions to each batch."""
 
     def __init__(self, trained: TrainedModel, feature_column: str, use_gpu: bool) -> None:
+        # One thread: an actor holds at most one CPU's share (``split_cpus``), and torch's default
+        # of a thread per core would have every actor of the pool contend for every core.
+        torch.set_num_threads(1)
         self.device = torch.device("cuda" if use_gpu else "cpu")
         self.model, self.task, self.feature_column = trained.load(self.device), trained.task, feature_column
 
     def __call__(self, batch: pa.Table) -> pa.Table:
+        if not batch.num_rows:  # an empty file's block: fixed_width refuses a column of no rows
+            return output_schema(batch.schema, self.task).empty_table()
         features = torch.from_numpy(fixed_width(batch.column(self.feature_column), self.feature_column))
         with torch.no_grad():
             out = self.model(features.to(self.device)).float().cpu()
+        fields = prediction_fields(self.task)
         if self.task == "classification":
             probabilities = torch.softmax(out, dim=1).numpy()
-            batch = batch.append_column("prediction", pa.array(out.argmax(dim=1).numpy()))
-            return batch.append_column("probabilities", _lists(probabilities))
-        return batch.append_column("prediction", _lists(out.numpy()))
+            batch = batch.append_column(fields[0], pa.array(out.argmax(dim=1).numpy()))
+            return batch.append_column(fields[1], _lists(probabilities))
+        return batch.append_column(fields[0], _lists(out.numpy()))
 
 
 def _lists(matrix: np.ndarray) -> pa.Array:
@@ -121,42 +130,91 @@ def _lists(matrix: np.ndarray) -> pa.Array:
     return pa.FixedSizeListArray.from_arrays(pa.array(matrix.reshape(-1)), matrix.shape[1]).cast(pa.list_(pa.float32()))
 
 
+def split_cpus(num_workers: int, cluster_cpus: float) -> tuple[float, float]:
+    """CPUs for each read task and for each actor: the pool together leaves a read's CPUs free.
+
+    A pool that holds every CPU starves Ray Data's read tasks, and predict waited forever with
+    no rows to predict (1 CPU per actor, --num-workers 4 on 4 CPUs). So each actor takes at most
+    1 CPU and the pool at most the cluster's CPUs less one read's (1 CPU; half the cluster on one
+    of under 2 CPUs): an actor's work is a forward pass on one thread, a fraction of a CPU each
+    costs little, while reads that never run cost everything."""
+    reads = min(READ_CPUS, cluster_cpus / 2)
+    share = min(1.0, (round((cluster_cpus - reads) * CPU_STEPS) // num_workers) / CPU_STEPS)
+    if share <= 0:
+        raise ValueError(f"--num-workers {num_workers}: more actors than the cluster's {cluster_cpus:g} CPUs can share")
+    return reads, share
+
+
 def predict(
     trained: TrainedModel,
     filesystem: pafs.FileSystem,
     files: list[str],
-    out: str,
+    out: storage.Location,
+    *,
     feature_column: str,
     batch_size: int,
     num_workers: int,
     use_gpu: bool,
+    stall_timeout_s: float,
 ) -> int:
     """Run the actor pool over ``files`` and write ``out``; returns the rows written. Ray must be connected."""
+    import ray
     import ray.data
+    from ray.data.exceptions import ExecutionTimeoutError
 
-    context = ray.data.DataContext.get_current()
+    # A context of predict's own: a dataset keeps the one current when it is made, and the
+    # process's (a test session's, a notebook's) stays as it was.
+    context = copy.deepcopy(ray.data.DataContext.get_current())
     context.execution_options.preserve_order = True  # output rows in input order
     context.enable_progress_bars = False  # raypar prints its own one line
-    dataset = ray.data.read_parquet(files, filesystem=filesystem).map_batches(
-        Predictor,
-        fn_constructor_kwargs={"trained": trained, "feature_column": feature_column, "use_gpu": use_gpu},
-        batch_format="pyarrow",
-        batch_size=batch_size,
-        concurrency=num_workers,
-        num_gpus=1 if use_gpu else 0,
-    )
+    # Ray Data's own guard: no block moving for this long ends the run instead of a silent wait.
+    context.execution_no_progress_timeout_s = stall_timeout_s
+    read_cpus, cpus = split_cpus(num_workers, ray.cluster_resources().get("CPU", 0.0))
+    with ray.data.DataContext.current(context):
+        dataset = ray.data.read_parquet(files, filesystem=filesystem, num_cpus=read_cpus).map_batches(
+            Predictor,
+            fn_constructor_kwargs={"trained": trained, "feature_column": feature_column, "use_gpu": use_gpu},
+            batch_format="pyarrow",
+            batch_size=batch_size,
+            compute=ray.data.ActorPoolStrategy(size=num_workers),
+            num_cpus=cpus,
+            num_gpus=1 if use_gpu else 0,
+        )
+    schema = output_schema(pq.read_schema(files[0], filesystem=filesystem), trained.task)
+    try:
+        return write_parquet(out, dataset.iter_batches(batch_format="pyarrow", batch_size=None), schema)
+    except ExecutionTimeoutError:
+        actors = f"{num_workers} actor{'s' if num_workers > 1 else ''}"
+        raise PredictFailed(
+            f"no predictions for {stall_timeout_s:g} s (--stall-timeout-s): waited for {actors} "
+            f"({cpus:g} CPU{', 1 GPU' if use_gpu else ''} each) and Ray Data's reads of --data; "
+            "`ray status` shows what the cluster lacks"
+        ) from None
+
+
+def write_parquet(out: storage.Location, batches, schema: pa.Schema) -> int:
+    """Write ``batches`` to ``out`` whole or not at all; returns the rows written.
+
+    No batch (an input of 0 rows) still writes a valid Parquet file of ``schema`` and no rows:
+    the output has the input's rows, all 0 of them, and a pipeline reading it gets the columns it
+    expects rather than a refusal to handle on empty days."""
     rows = 0
 
     def write(stream) -> None:
         nonlocal rows
-        writer = None
-        for batch in dataset.iter_batches(batch_format="pyarrow", batch_size=None):
-            if writer is None:
-                writer = pq.ParquetWriter(stream, batch.schema)
-            writer.write_table(batch)
-            rows += batch.num_rows
-        if writer is not None:
-            writer.close()
+        with pq.ParquetWriter(stream, schema) as writer:
+            for batch in batches:
+                if batch.num_rows:
+                    writer.write_table(batch.cast(schema))
+                    rows += batch.num_rows
 
-    storage.write(out, write)
+    try:
+        storage.write(out, write)
+    except BaseException:
+        # storage.write leaves its temporary <out>.partial when the writer fails (Ctrl-C, a Ray
+        # error mid-stream); nothing half-written may stay beside the output. A failed delete
+        # must not hide the error that matters.
+        with contextlib.suppress(OSError):
+            storage.delete_file(storage.Location(out.filesystem, out.path + ".partial"))
+        raise
     return rows

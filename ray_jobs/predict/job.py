@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
+from ray.exceptions import RayError
+
 from ray_jobs.core.config import (
     ADDRESS_HELP,
     ArgumentParser,
@@ -22,7 +24,9 @@ from ray_jobs.core.config import (
     require_choice,
 )
 from ray_jobs.driver.connect import join, reachable
-from ray_jobs.predict.inference import WEIGHTS, check_input, load_run, predict
+from ray_jobs.errors import root_cause
+from ray_jobs.predict.inference import PredictFailed, check_input, check_output, predict
+from ray_jobs.predict.trained import WEIGHTS, load_run
 
 
 @dataclass
@@ -49,9 +53,33 @@ class PredictConfig:
             "final: model.pt; best: best_model.pt (a run with --val-data)", "model", choices=tuple(WEIGHTS)
         ),
     )
+    model: str | None = field(
+        default=None,
+        metadata=flag_doc(
+            "the run's own model code, module.path:callable as summary.json names it: predict imports and runs a "
+            "user's model only when named here (or with --trust-model-code); a registered model needs nothing",
+            "model",
+            "none: registered models only",
+        ),
+    )
+    trust_model_code: bool = field(
+        default=False,
+        metadata=flag_doc(
+            "import and run whatever module.path:callable the run's summary.json names (its fields are still "
+            "type-checked); only for run directories you trust as you trust code",
+            "model",
+        ),
+    )
     batch_size: int = field(default=1024, metadata=flag_doc("rows per model call", "training"))
     num_workers: int = field(default=1, metadata=flag_doc("actors in the pool, each holding the model once"))
     use_gpu: bool = field(default=False, metadata=flag_doc("one GPU per actor", default_text="CPU"))
+    stall_timeout_s: float = field(
+        default=600.0,
+        metadata=flag_doc(
+            "fail when no rows move through the prediction pipeline for this long (s): actors that cannot start, "
+            "reads that get no CPU"
+        ),
+    )
 
     def __post_init__(self) -> None:
         for flag in ("run_dir", "data", "out"):
@@ -60,6 +88,7 @@ class PredictConfig:
         require_choice(self.checkpoint, tuple(WEIGHTS), "checkpoint")
         require(self.batch_size >= 1, "batch_size", self.batch_size, "at least 1")
         require(self.num_workers >= 1, "num_workers", self.num_workers, "at least 1")
+        require(self.stall_timeout_s > 0, "stall_timeout_s", self.stall_timeout_s, "positive")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,14 +99,34 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = from_args(PredictConfig, args)
         target = reachable(args.address)  # a wrong address fails in seconds, before the model is read
-        trained = load_run(cfg.run_dir, cfg.checkpoint)
+        out = check_output(cfg.out, cfg.data)  # before any work: a bad --out used to fail after every prediction
+        trained = load_run(cfg.run_dir, cfg.checkpoint, cfg.model, cfg.trust_model_code)
         filesystem, files = check_input(cfg.data, cfg.feature_column, trained.record["in_features"])
         join(target, args.address)
         rows = predict(
-            trained, filesystem, files, cfg.out, cfg.feature_column, cfg.batch_size, cfg.num_workers, cfg.use_gpu
+            trained,
+            filesystem,
+            files,
+            out,
+            feature_column=cfg.feature_column,
+            batch_size=cfg.batch_size,
+            num_workers=cfg.num_workers,
+            use_gpu=cfg.use_gpu,
+            stall_timeout_s=cfg.stall_timeout_s,
         )
+    except RayError as error:  # before ValueError: Ray re-raises an actor's ValueError as one
+        print(f"error: prediction failed: {root_cause(error)}", file=sys.stderr)
+        return 1
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except (PredictFailed, OSError) as error:  # OSError: reading --data or writing --out after the checks
+        print(f"error: prediction failed: {_first_line(error)}", file=sys.stderr)
+        return 1
     print(f"[raypar] wrote {rows:,} predictions ({trained.task}, {cfg.checkpoint} model) to {cfg.out}")
     return 0
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
