@@ -99,10 +99,12 @@ def write(target: Target, writer: Callable[[object], None]) -> None:
         with filesystem.open_output_stream(partial) as stream:
             writer(stream)
         filesystem.move(partial, path)
-    except OSError as error:
+    except BaseException as error:  # the writer's own errors and an interrupt leave nothing either
         with contextlib.suppress(OSError):
             filesystem.delete_file(partial)
-        raise OSError(error.errno, _os_reason(error), _shown(target)) from error
+        if isinstance(error, OSError):
+            raise OSError(error.errno, _os_reason(error), _shown(target)) from error
+        raise
 
 
 def _os_reason(error: OSError) -> str:

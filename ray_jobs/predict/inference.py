@@ -8,7 +8,6 @@ costs a second and one line.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 
@@ -208,13 +207,5 @@ def write_parquet(out: storage.Location, batches, schema: pa.Schema) -> int:
                     writer.write_table(batch.cast(schema))
                     rows += batch.num_rows
 
-    try:
-        storage.write(out, write)
-    except BaseException:
-        # storage.write leaves its temporary <out>.partial when the writer fails (Ctrl-C, a Ray
-        # error mid-stream); nothing half-written may stay beside the output. A failed delete
-        # must not hide the error that matters.
-        with contextlib.suppress(OSError):
-            storage.delete_file(storage.Location(out.filesystem, out.path + ".partial"))
-        raise
+    storage.write(out, write)  # its temporary file goes when the writer fails (Ctrl-C, a Ray error)
     return rows
