@@ -129,6 +129,15 @@ class TrainConfig:
         default=0, metadata=flag_doc("optimizer steps of linear warmup to --lr: lr (s+1)/W at step s", "training")
     )
     min_lr: float = field(default=0.0, metadata=flag_doc("the LR that cosine and linear decay reach", "training"))
+    grad_clip_norm: float | None = field(
+        default=None,
+        metadata=flag_doc(
+            "clip the whole model's gradient norm (over every worker and stage) to this before each optimizer "
+            "step, as clip_grad_norm_ does on one process",
+            "training",
+            "no clip",
+        ),
+    )
     optimizer: str = field(default="sgd", metadata=flag_doc("optimizer", "training", choices=OPTIMIZERS))
     momentum: float = field(default=0.0, metadata=flag_doc("SGD momentum", "training"))
     weight_decay: float = field(default=0.0, metadata=flag_doc("weight decay (sgd and adamw)", "training"))
@@ -226,6 +235,9 @@ class TrainConfig:
         require_choice(self.lr_schedule, LR_SCHEDULES, "lr_schedule")
         require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "zero or more")
         require(0 <= self.min_lr <= self.lr, "min_lr", self.min_lr, f"between 0 and --lr {self.lr:g}")
+        require(
+            self.grad_clip_norm is None or self.grad_clip_norm > 0, "grad_clip_norm", self.grad_clip_norm, "positive"
+        )
         for flag in ("momentum", "weight_decay", "max_failures", "resource_timeout"):
             require(getattr(self, flag) >= 0, flag, getattr(self, flag), "zero or more")
         if self.optimizer != "sgd" and self.momentum:

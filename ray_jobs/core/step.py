@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -53,6 +54,13 @@ def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | 
     return torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
 
+class StepResult(NamedTuple):
+    loss: torch.Tensor
+    """The detached loss of this (shard of a) global batch."""
+    grad_norm: torch.Tensor | None
+    """With ``clip_norm``: the whole model's gradient norm before clipping; else None."""
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -63,24 +71,41 @@ def train_step(
     *,
     precision: str = "fp32",
     scaler: torch.amp.GradScaler | None = None,
-) -> torch.Tensor:
-    """One optimizer step on one (shard of a) global batch; returns the detached loss, scaled by
-    ``weight`` (``shard_weight``: an uneven slice's share of the global batch). With a ``scaler``
-    (fp16), a step whose gradients overflowed is skipped and the scale lowered, as ``GradScaler``
-    does: every DDP rank sees the same all-reduced gradients, so all skip together."""
+    clip_norm: float | None = None,
+) -> StepResult:
+    """One optimizer step on one (shard of a) global batch; the loss is scaled by ``weight``
+    (``shard_weight``: an uneven slice's share of the global batch). With a ``scaler`` (fp16), a
+    step whose gradients overflowed is skipped and the scale lowered, as ``GradScaler`` does: every
+    DDP rank sees the same all-reduced gradients, so all skip together. ``clip_norm``
+    (``--grad-clip-norm``): ``clip_grad_norm_`` after backward, so over DDP's all-reduced
+    gradients, the whole model's on every rank."""
     optimizer.zero_grad(set_to_none=True)
     with autocast(precision, x.device):
         loss = loss_fn(model(x), y)
     if weight != 1.0:  # skipped when even: the unscaled graph keeps results bit-identical to before
         loss = loss * weight
+    norm = None
     if scaler is None:
         loss.backward()
+        if clip_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
         optimizer.step()
     else:
         scaler.scale(loss).backward()
+        if clip_norm is not None:
+            scaler.unscale_(optimizer)  # the norm of the true gradients, not the scaled ones
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
         scaler.step(optimizer)
         scaler.update()
-    return loss.detach()
+    return StepResult(loss.detach(), None if norm is None else norm.detach())
+
+
+def norm_readings(norms: list) -> dict[str, float] | None:
+    """``--grad-clip-norm``: the largest and the last gradient norm before clipping, for the summary."""
+    if not norms:
+        return None
+    values = [float(norm) for norm in norms]
+    return {"max": max(values), "last": values[-1]}
 
 
 def non_finite_loss(step_losses: list[float], epoch: int, first_step: int = 0) -> str | None:

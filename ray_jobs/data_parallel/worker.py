@@ -38,7 +38,15 @@ from ray_jobs.core.evaluation import Validation, chunk_sums, combine, is_best, m
 from ray_jobs.core.failure_record import record_failure
 from ray_jobs.core.lr_schedule import lr_schedule
 from ray_jobs.core.model_init import make_model
-from ray_jobs.core.step import build_optimizer, grad_scaler, loss_function, non_finite_loss, rank_seed, train_step
+from ray_jobs.core.step import (
+    build_optimizer,
+    grad_scaler,
+    loss_function,
+    non_finite_loss,
+    norm_readings,
+    rank_seed,
+    train_step,
+)
 from ray_jobs.data import storage
 from ray_jobs.data.device_copy import prefetched
 from ray_jobs.data.stream import epoch_indices, open_source
@@ -125,6 +133,7 @@ class _Worker:
         self.first_step_at: float | None = None  # wall clock, comparable with the driver's
         self.resumed = start is not None
         self.schedule = lr_schedule(cfg, dataset.num_rows // cfg.batch_size)
+        self.grad_norms: list[torch.Tensor] = []  # --grad-clip-norm: each step's norm before clipping
         self.losses = list(start.losses) if start else []
         self.val = ray.get(loop.val_dataset) if loop.val_dataset is not None else None
         self.val_losses = list(start.val_losses) if start else []
@@ -159,7 +168,7 @@ class _Worker:
         mine = (self.source.rows(shard(batch, self.world_size, self.world_rank)) for batch in batches[first_step:])
         for index, (features, targets) in enumerate(prefetched(mine, self.device)):
             self.schedule.apply(self.optimizer, epoch * len(batches) + first_step + index)
-            step_losses[index] = train_step(
+            result = train_step(
                 self.wrapped,
                 self.optimizer,
                 self.loss_fn,
@@ -168,7 +177,11 @@ class _Worker:
                 weight,
                 precision=cfg.precision,
                 scaler=self.scaler,
+                clip_norm=cfg.grad_clip_norm,
             )
+            step_losses[index] = result.loss
+            if result.grad_norm is not None:  # the same on every rank: the all-reduced gradients'
+                self.grad_norms.append(result.grad_norm)
             step = first_step + index + 1
             self.loop.faults.worker_step_done(epoch, step, self.resumed, self.world_rank)
             if every and step % every == 0 and step < len(batches):
@@ -183,7 +196,7 @@ class _Worker:
                 record_failure(self.loop.run_dir, failure)
             return None
         self.num_samples += len(losses) * cfg.batch_size
-        self.epoch_samples = len(losses) * cfg.batch_size
+        self.epoch_samples, self.epoch_steps = len(losses) * cfg.batch_size, len(losses)
         return losses
 
     def end_epoch(self, epoch: int, step_losses: list[float], seconds: float, steal: float | None) -> None:
@@ -202,6 +215,7 @@ class _Worker:
             data_wait_fraction=self.source.wait_s / sum(self.epoch_seconds),
             first_step_at=self.first_step_at,
             worker_peak_rss_bytes=_gather(peak_rss_bytes(), self.world_size),
+            grad_norm=norm_readings(self.grad_norms),
         )
         if self.world_rank == 0:
             print(
@@ -216,6 +230,7 @@ class _Worker:
                 self.epoch_samples / seconds,
                 self.optimizer.param_groups[0]["lr"],
                 [self.schedule.at(epoch * len(step_losses) + step) for step in range(len(step_losses))],
+                [float(norm) for norm in self.grad_norms[-self.epoch_steps :]] if self.grad_norms else None,
             )
         if (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs:
             self.checkpoint(epoch + 1, 0, [])

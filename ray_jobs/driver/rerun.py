@@ -39,6 +39,7 @@ FIXED = (
     "lr_schedule",
     "warmup_steps",
     "min_lr",
+    "grad_clip_norm",
     "optimizer",
     "momentum",
     "weight_decay",

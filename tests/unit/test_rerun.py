@@ -37,6 +37,7 @@ CHANGES = {
     "lr_schedule": (["--lr-schedule", "cosine"], "--lr-schedule constant -> cosine"),
     "warmup_steps": (["--warmup-steps", "2"], "--warmup-steps 0 -> 2"),
     "min_lr": (["--min-lr", "0.01"], "--min-lr 0.0 -> 0.01"),
+    "grad_clip_norm": (["--grad-clip-norm", "1.0"], "--grad-clip-norm (unset) -> 1.0"),
     "optimizer": (["--optimizer", "adamw", "--momentum", "0"], "--optimizer sgd -> adamw"),
     "momentum": (["--momentum", "0.5"], "--momentum 0.9 -> 0.5"),
     "weight_decay": (["--weight-decay", "0.1"], "--weight-decay 0.0 -> 0.1"),
