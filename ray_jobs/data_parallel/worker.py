@@ -6,6 +6,7 @@ which slice of each global batch this worker takes (its world rank).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 import time
@@ -127,6 +128,9 @@ class _Worker:
         self.loop, self.cfg, self.dataset, self.device = loop, cfg, dataset, device
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.wrapped = loop.wrap(model, device, cfg.precision)
+        # --grad-accum-steps: DDP all-reduces only the last micro-step's backward.
+        ddp = isinstance(self.wrapped, torch.nn.parallel.DistributedDataParallel)
+        self.no_sync = self.wrapped.no_sync if ddp else contextlib.nullcontext
         self.loss_fn = loss_function(dataset.task)
         self.world_rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
         self.source = open_source(dataset, loop.reader, cfg.seed, cfg.shuffle, device)
@@ -178,6 +182,8 @@ class _Worker:
                 precision=cfg.precision,
                 scaler=self.scaler,
                 clip_norm=cfg.grad_clip_norm,
+                accum_steps=cfg.grad_accum_steps,
+                no_sync=self.no_sync,
             )
             step_losses[index] = result.loss
             if result.grad_norm is not None:  # the same on every rank: the all-reduced gradients'

@@ -40,6 +40,7 @@ FIXED = (
     "warmup_steps",
     "min_lr",
     "grad_clip_norm",
+    "grad_accum_steps",
     "optimizer",
     "momentum",
     "weight_decay",
