@@ -51,7 +51,7 @@ def run_strategy(strategy: str, cfg: TrainConfig, num_workers: int = 1, scaling=
     return dp.run(prepared, scaling or dp.DataParallelScaling(), injected)
 
 
-def reference_for(cfg: TrainConfig, init_state: dict | None = None):
+def reference_for(cfg: TrainConfig, init_state: dict | None = None, norms: list[float] | None = None):
     """The single-process reference for a config, from the same data file; a streamed run's
     (``--ingest stream``) visits rows in order contract v2's order."""
     features, targets, out_features = tensors(cfg.data)
@@ -70,6 +70,7 @@ def reference_for(cfg: TrainConfig, init_state: dict | None = None):
         "lr_schedule",
         "warmup_steps",
         "min_lr",
+        "grad_clip_norm",
     )
     orders = None
     if cfg.ingest == "stream":
@@ -84,6 +85,7 @@ def reference_for(cfg: TrainConfig, init_state: dict | None = None):
         out_features=out_features,
         init_state=init_state,
         epoch_orders=orders,
+        norms=norms,
         **{k: getattr(cfg, k) for k in keys},
         **options,
     )

@@ -34,6 +34,8 @@ def reference_train(
     lr_schedule: str = "constant",
     warmup_steps: int = 0,
     min_lr: float = 0.0,
+    grad_clip_norm: float | None = None,
+    norms: list[float] | None = None,
     **model_options,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     torch.manual_seed(seed)
@@ -71,15 +73,27 @@ def reference_train(
             opt.zero_grad()
             if scaler is None:
                 loss.backward()
+                if grad_clip_norm is not None:
+                    _clip(net, grad_clip_norm, norms)
                 opt.step()
             else:
                 scaler.scale(loss).backward()
+                if grad_clip_norm is not None:
+                    scaler.unscale_(opt)
+                    _clip(net, grad_clip_norm, norms)
                 scaler.step(opt)
                 scaler.update()
             scheduler.step()
             total += loss.item()
         losses.append(total / steps)
     return net.state_dict(), losses
+
+
+def _clip(net: nn.Module, max_norm: float, norms: list[float] | None) -> None:
+    """torch's own clip; ``norms`` (when given) gets each step's norm before clipping."""
+    norm = torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm)
+    if norms is not None:
+        norms.append(float(norm))
 
 
 def lr_at(step: int, total: int, lr: float, schedule: str, warmup: int, min_lr: float) -> float:

@@ -146,7 +146,7 @@ def _peer_worker(
             rows = shard(batch, world_size, world_rank).to(on)
             step_losses[step] = train_step(
                 wrapped, optimizer, loss_fn, features[rows], targets[rows], precision=cfg.precision, scaler=scaler
-            )
+            ).loss
         # raypar's loop also all-reduces the step losses once per epoch, inside its timing.
         if world_size > 1:
             dist.all_reduce(step_losses)

@@ -129,6 +129,24 @@ class TrainConfig:
         default=0, metadata=flag_doc("optimizer steps of linear warmup to --lr: lr (s+1)/W at step s", "training")
     )
     min_lr: float = field(default=0.0, metadata=flag_doc("the LR that cosine and linear decay reach", "training"))
+    grad_accum_steps: int = field(
+        default=1,
+        metadata=flag_doc(
+            "each worker's share of a global batch in this many consecutive micro-steps, gradients summed: one "
+            "optimizer step and one all-reduce per global batch, less activation memory (the pipeline "
+            "accumulates over --num-microbatches instead)",
+            "training",
+        ),
+    )
+    grad_clip_norm: float | None = field(
+        default=None,
+        metadata=flag_doc(
+            "clip the whole model's gradient norm (over every worker and stage) to this before each optimizer "
+            "step, as clip_grad_norm_ does on one process",
+            "training",
+            "no clip",
+        ),
+    )
     optimizer: str = field(default="sgd", metadata=flag_doc("optimizer", "training", choices=OPTIMIZERS))
     momentum: float = field(default=0.0, metadata=flag_doc("SGD momentum", "training"))
     weight_decay: float = field(default=0.0, metadata=flag_doc("weight decay (sgd and adamw)", "training"))
@@ -226,6 +244,9 @@ class TrainConfig:
         require_choice(self.lr_schedule, LR_SCHEDULES, "lr_schedule")
         require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "zero or more")
         require(0 <= self.min_lr <= self.lr, "min_lr", self.min_lr, f"between 0 and --lr {self.lr:g}")
+        require(
+            self.grad_clip_norm is None or self.grad_clip_norm > 0, "grad_clip_norm", self.grad_clip_norm, "positive"
+        )
         for flag in ("momentum", "weight_decay", "max_failures", "resource_timeout"):
             require(getattr(self, flag) >= 0, flag, getattr(self, flag), "zero or more")
         if self.optimizer != "sgd" and self.momentum:
@@ -359,6 +380,8 @@ class WorkerScaling:
                 "fewer workers after a loss is one of the run's retries"
             )
         require_gpu_for_fp16(cfg, self.use_gpu, "--use-gpu")
+        for count in range(self.min_workers if self.elastic else self.num_workers, self.num_workers + 1):
+            require_accumulation_fits(cfg, count)
 
     @property
     def elastic(self) -> bool:
@@ -375,6 +398,16 @@ class WorkerScaling:
 def require(ok: bool, flag: str, value: Any, what: str) -> None:
     if not ok:
         raise ValueError(f"--{flag.replace('_', '-')} must be {what}, got {value}")
+
+
+def require_accumulation_fits(cfg: TrainConfig, num_workers: int) -> None:
+    """``--grad-accum-steps`` cuts each worker's slice of the global batch into equal chunks."""
+    steps, share = cfg.grad_accum_steps, cfg.batch_size // num_workers
+    if steps > 1 and (cfg.batch_size % num_workers or share % steps):
+        raise ValueError(
+            f"--grad-accum-steps {steps} does not divide the per-worker batch (--batch-size {cfg.batch_size} over "
+            f"{num_workers} worker(s)): give a --batch-size that is a multiple of {num_workers * steps}"
+        )
 
 
 def require_choice(value: str, choices: tuple[str, ...] | list[str], flag: str) -> None:

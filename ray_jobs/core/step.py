@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -53,6 +55,13 @@ def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | 
     return torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
 
+class StepResult(NamedTuple):
+    loss: torch.Tensor
+    """The detached loss of this (shard of a) global batch."""
+    grad_norm: torch.Tensor | None
+    """With ``clip_norm``: the whole model's gradient norm before clipping; else None."""
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -63,24 +72,50 @@ def train_step(
     *,
     precision: str = "fp32",
     scaler: torch.amp.GradScaler | None = None,
-) -> torch.Tensor:
-    """One optimizer step on one (shard of a) global batch; returns the detached loss, scaled by
-    ``weight`` (``shard_weight``: an uneven slice's share of the global batch). With a ``scaler``
-    (fp16), a step whose gradients overflowed is skipped and the scale lowered, as ``GradScaler``
-    does: every DDP rank sees the same all-reduced gradients, so all skip together."""
+    clip_norm: float | None = None,
+    accum_steps: int = 1,
+    no_sync: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> StepResult:
+    """One optimizer step on one (shard of a) global batch; the loss is scaled by ``weight``
+    (``shard_weight``: an uneven slice's share of the global batch). With a ``scaler`` (fp16), a
+    step whose gradients overflowed is skipped and the scale lowered, as ``GradScaler`` does: every
+    DDP rank sees the same all-reduced gradients, so all skip together. ``clip_norm``
+    (``--grad-clip-norm``): ``clip_grad_norm_`` after backward, so over DDP's all-reduced
+    gradients, the whole model's on every rank. ``accum_steps`` (``--grad-accum-steps``): the rows
+    in that many equal consecutive chunks, one forward and backward each, their gradients summed
+    (each chunk's mean loss divided by ``accum_steps``, so the sum is the whole shard's mean), with
+    ``no_sync`` (DDP's) around every backward but the last: one all-reduce per optimizer step."""
     optimizer.zero_grad(set_to_none=True)
-    with autocast(precision, x.device):
-        loss = loss_fn(model(x), y)
-    if weight != 1.0:  # skipped when even: the unscaled graph keeps results bit-identical to before
-        loss = loss * weight
+    chunks = list(zip(torch.tensor_split(x, accum_steps), torch.tensor_split(y, accum_steps)))
+    scale = weight / accum_steps
+    total = torch.zeros((), device=x.device)
+    for index, (xs, ys) in enumerate(chunks):
+        with contextlib.nullcontext() if index == len(chunks) - 1 else no_sync():
+            with autocast(precision, x.device):
+                loss = loss_fn(model(xs), ys)
+            if scale != 1.0:  # skipped when 1: the unscaled graph keeps results bit-identical to before
+                loss = loss * scale
+            (loss if scaler is None else scaler.scale(loss)).backward()
+        total += loss.detach()
+    norm = None
+    if clip_norm is not None:
+        if scaler is not None:
+            scaler.unscale_(optimizer)  # the norm of the true gradients, not the scaled ones
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm).detach()
     if scaler is None:
-        loss.backward()
         optimizer.step()
     else:
-        scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
-    return loss.detach()
+    return StepResult(total, norm)
+
+
+def norm_readings(norms: list) -> dict[str, float] | None:
+    """``--grad-clip-norm``: the largest and the last gradient norm before clipping, for the summary."""
+    if not norms:
+        return None
+    values = [float(norm) for norm in norms]
+    return {"max": max(values), "last": values[-1]}
 
 
 def non_finite_loss(step_losses: list[float], epoch: int, first_step: int = 0) -> str | None:

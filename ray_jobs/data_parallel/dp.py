@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ray_jobs.core.config import TrainConfig, WorkerScaling, flag_doc, require, require_gpu_for_fp16
+from ray_jobs.core.config import (
+    TrainConfig,
+    WorkerScaling,
+    flag_doc,
+    require,
+    require_accumulation_fits,
+    require_gpu_for_fp16,
+)
 from ray_jobs.data_parallel.trainer import run_workers
 from ray_jobs.data_parallel.wrap import wrap_dp
 from ray_jobs.driver.prepare import PreparedRun
@@ -32,6 +39,7 @@ class DataParallelScaling:
     def check(self, cfg: TrainConfig) -> None:
         """One worker takes the whole global batch, so any batch size works."""
         require_gpu_for_fp16(cfg, self.gpus > 0, "--gpus")
+        require_accumulation_fits(cfg, 1)
 
     def workers(self) -> WorkerScaling:
         gpus = float(self.gpus) if self.gpus else None

@@ -6,6 +6,7 @@ which slice of each global batch this worker takes (its world rank).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 import time
@@ -38,7 +39,15 @@ from ray_jobs.core.evaluation import Validation, chunk_sums, combine, is_best, m
 from ray_jobs.core.failure_record import record_failure
 from ray_jobs.core.lr_schedule import lr_schedule
 from ray_jobs.core.model_init import make_model
-from ray_jobs.core.step import build_optimizer, grad_scaler, loss_function, non_finite_loss, rank_seed, train_step
+from ray_jobs.core.step import (
+    build_optimizer,
+    grad_scaler,
+    loss_function,
+    non_finite_loss,
+    norm_readings,
+    rank_seed,
+    train_step,
+)
 from ray_jobs.data import storage
 from ray_jobs.data.device_copy import prefetched
 from ray_jobs.data.stream import epoch_indices, open_source
@@ -119,12 +128,16 @@ class _Worker:
         self.loop, self.cfg, self.dataset, self.device = loop, cfg, dataset, device
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.wrapped = loop.wrap(model, device, cfg.precision)
+        # --grad-accum-steps: DDP all-reduces only the last micro-step's backward.
+        ddp = isinstance(self.wrapped, torch.nn.parallel.DistributedDataParallel)
+        self.no_sync = self.wrapped.no_sync if ddp else contextlib.nullcontext
         self.loss_fn = loss_function(dataset.task)
         self.world_rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
         self.source = open_source(dataset, loop.reader, cfg.seed, cfg.shuffle, device)
         self.first_step_at: float | None = None  # wall clock, comparable with the driver's
         self.resumed = start is not None
         self.schedule = lr_schedule(cfg, dataset.num_rows // cfg.batch_size)
+        self.grad_norms: list[torch.Tensor] = []  # --grad-clip-norm: each step's norm before clipping
         self.losses = list(start.losses) if start else []
         self.val = ray.get(loop.val_dataset) if loop.val_dataset is not None else None
         self.val_losses = list(start.val_losses) if start else []
@@ -159,7 +172,7 @@ class _Worker:
         mine = (self.source.rows(shard(batch, self.world_size, self.world_rank)) for batch in batches[first_step:])
         for index, (features, targets) in enumerate(prefetched(mine, self.device)):
             self.schedule.apply(self.optimizer, epoch * len(batches) + first_step + index)
-            step_losses[index] = train_step(
+            result = train_step(
                 self.wrapped,
                 self.optimizer,
                 self.loss_fn,
@@ -168,7 +181,13 @@ class _Worker:
                 weight,
                 precision=cfg.precision,
                 scaler=self.scaler,
+                clip_norm=cfg.grad_clip_norm,
+                accum_steps=cfg.grad_accum_steps,
+                no_sync=self.no_sync,
             )
+            step_losses[index] = result.loss
+            if result.grad_norm is not None:  # the same on every rank: the all-reduced gradients'
+                self.grad_norms.append(result.grad_norm)
             step = first_step + index + 1
             self.loop.faults.worker_step_done(epoch, step, self.resumed, self.world_rank)
             if every and step % every == 0 and step < len(batches):
@@ -183,7 +202,7 @@ class _Worker:
                 record_failure(self.loop.run_dir, failure)
             return None
         self.num_samples += len(losses) * cfg.batch_size
-        self.epoch_samples = len(losses) * cfg.batch_size
+        self.epoch_samples, self.epoch_steps = len(losses) * cfg.batch_size, len(losses)
         return losses
 
     def end_epoch(self, epoch: int, step_losses: list[float], seconds: float, steal: float | None) -> None:
@@ -202,6 +221,7 @@ class _Worker:
             data_wait_fraction=self.source.wait_s / sum(self.epoch_seconds),
             first_step_at=self.first_step_at,
             worker_peak_rss_bytes=_gather(peak_rss_bytes(), self.world_size),
+            grad_norm=norm_readings(self.grad_norms),
         )
         if self.world_rank == 0:
             print(
@@ -216,6 +236,7 @@ class _Worker:
                 self.epoch_samples / seconds,
                 self.optimizer.param_groups[0]["lr"],
                 [self.schedule.at(epoch * len(step_losses) + step) for step in range(len(step_losses))],
+                [float(norm) for norm in self.grad_norms[-self.epoch_steps :]] if self.grad_norms else None,
             )
         if (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs:
             self.checkpoint(epoch + 1, 0, [])

@@ -59,6 +59,7 @@ def finish(
         data_wait_fraction=metrics.get("data_wait_fraction"),
         precision=cfg.precision,
         lr=lr_schedule(cfg, dataset.num_rows // cfg.batch_size).readings(),
+        grad_norm=metrics.get("grad_norm"),
         task=dataset.task,
         **validation_summary(prepared, final),
         extra=extra or {},

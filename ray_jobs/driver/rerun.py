@@ -39,6 +39,8 @@ FIXED = (
     "lr_schedule",
     "warmup_steps",
     "min_lr",
+    "grad_clip_norm",
+    "grad_accum_steps",
     "optimizer",
     "momentum",
     "weight_decay",

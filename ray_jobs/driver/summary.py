@@ -31,6 +31,8 @@ class TrainSummary:
     """``--precision``: the autocast dtype of the forward and loss (weights stay float32)."""
     lr: dict[str, float] | None = None
     """The LR of the run's first optimizer step, its peak and its last (``--lr-schedule``)."""
+    grad_norm: dict[str, float] | None = None
+    """``--grad-clip-norm``: the largest and the last whole-model gradient norm before clipping (this attempt's)."""
     task: str | None = None
     """``regression`` or ``classification``, as the data decided it (``predict`` needs it)."""
     val_losses: list[float] | None = None

@@ -50,14 +50,19 @@ class TrainLog:
         samples_per_second: float | None,
         lr: float,
         step_lrs: list[float] | None = None,
+        grad_norms: list[float] | None = None,
     ) -> None:
         """Epoch ``epoch``'s (0-based) scalars; its global batches are steps ``epoch * len(step_losses)`` on;
-        ``lr``: the epoch's last step's, ``step_lrs``: each step's (``--lr-schedule``)."""
+        ``lr``: the epoch's last step's, ``step_lrs``: each step's (``--lr-schedule``); ``grad_norms``:
+        the gradient norm before clipping of the epoch's last ``len(grad_norms)`` steps (``--grad-clip-norm``)."""
         every = max(1, len(step_losses) // MAX_STEP_POINTS_PER_EPOCH)
         for step in range(0, len(step_losses), every):
             self._scalar("train/loss", step_losses[step], epoch * len(step_losses) + step + 1)
             if step_lrs is not None:
                 self._scalar("train/lr", step_lrs[step], epoch * len(step_losses) + step + 1)
+        first = len(step_losses) - len(grad_norms or [])
+        for step in range(first, len(step_losses), every):
+            self._scalar("train/grad_norm", grad_norms[step - first], epoch * len(step_losses) + step + 1)
         x = epoch + 1
         self._scalar("train/epoch_loss", loss, x)
         if validation is not None:

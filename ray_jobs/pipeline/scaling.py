@@ -102,6 +102,21 @@ class PipelineScaling:
         """Checks that need both configs, run before Ray is touched."""
         require_divisible(cfg.batch_size, self.num_microbatches, "--num-microbatches")
         require_gpu_for_fp16(cfg, self.use_gpu, "--use-gpu")
+        if cfg.grad_accum_steps > 1:
+            raise ValueError(
+                f"--grad-accum-steps applies to ddp and dp: the pipeline already accumulates over its "
+                f"micro-batches; use --num-microbatches {self.num_microbatches * cfg.grad_accum_steps} for the "
+                "same global batch in smaller pieces"
+            )
+        if cfg.grad_clip_norm is not None and self.transport not in ("auto", "p2p"):
+            raise ValueError(
+                f"--grad-clip-norm on the pipeline needs --transport p2p, not {self.transport}: the stages sum "
+                "their gradients' squared norms over p2p's process group"
+            )
+        if cfg.grad_clip_norm is not None and cfg.precision == "fp16":
+            raise ValueError(
+                "--grad-clip-norm with --precision fp16 runs on ddp and dp; the pipeline does not clip fp16 yet"
+            )
         if cfg.precision == "fp16" and self.transport not in ("auto", "p2p"):
             raise ValueError(
                 f"--precision fp16 on the pipeline needs --transport p2p, not {self.transport}: its "

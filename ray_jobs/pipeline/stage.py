@@ -93,6 +93,7 @@ class StageWorker:
         # sets where this stage's count resumes.
         self.steps_per_epoch = dataset.num_rows // cfg.batch_size
         self.schedule, self.optimizer_steps = lr_schedule(cfg, self.steps_per_epoch), 0
+        self.clip_norm, self.grad_norms = cfg.grad_clip_norm, []
         self.scaler = grad_scaler(cfg.precision, self.device)
         if self.scaler is not None:
             # GradScaler makes its scale tensor on its first scale(); a stage before the last never
@@ -169,6 +170,8 @@ class StageWorker:
         began = time.perf_counter()
         self.schedule.apply(self.optimizer, self.optimizer_steps)
         self.optimizer_steps += 1  # a step fp16 skips still counts, as LambdaLR counts it
+        if self.clip_norm is not None:
+            self._clip()
         if self.scaler is None:
             self.optimizer.step()
         else:
@@ -179,6 +182,23 @@ class StageWorker:
         self.timing["step_seconds"].append(seconds)
         loss, self.loss_sum = self.loss_sum.item() / self.num_microbatches, torch.zeros(())
         return loss
+
+    def _clip(self) -> None:
+        """``clip_grad_norm_`` over the whole model, not this stage: each stage's squared norm is
+        summed over the stages (p2p's process group), and every stage scales its gradients by the
+        one coefficient that norm gives, as one process would."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        squared = torch.nn.utils.get_total_norm(grads).pow(2).reshape(1) if grads else torch.zeros(1)
+        if dist.is_initialized():
+            self._gloo(CALLS, dist.all_reduce, squared, op=dist.ReduceOp.SUM)
+        total = squared.sqrt()[0]
+        torch.nn.utils.clip_grads_with_norm_(self.module.parameters(), self.clip_norm, total)
+        self.grad_norms.append(float(total))
+
+    def take_grad_norms(self) -> list[float]:
+        """The whole model's gradient norm before clipping of each step since the last call."""
+        norms, self.grad_norms = self.grad_norms, []
+        return norms
 
     def _scaled_step(self) -> None:
         """fp16: skip the step on every stage, and lower every stage's scale, when any stage's

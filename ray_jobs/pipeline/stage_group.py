@@ -63,7 +63,9 @@ class StageGroup:
                 f"the {scaling.num_stages} stage bundles {scaling.bundles[0]} were not placed "
                 f"within --resource-timeout {timeout:g} s ({scaling.placement_strategy})"
             )
-        requested = resolve_transport(scaling, _bundle_nodes(self.group), prepared.cfg.precision)
+        requested = resolve_transport(
+            scaling, _bundle_nodes(self.group), prepared.cfg.precision, prepared.cfg.grad_clip_norm is not None
+        )
         device_transport = scaling.use_gpu and requested == "compiled"
         dataset = ray.put(prepared.dataset)
         self.actors = [
@@ -114,6 +116,10 @@ class StageGroup:
 
     def take_timing(self) -> list[dict[str, float]]:
         return self._get([actor.take_timing.remote() for actor in self.actors], "the stages' timing")
+
+    def take_grad_norms(self) -> list[float]:
+        """``--grad-clip-norm``: each step's whole-model norm before clipping (every stage has it; stage 0's)."""
+        return self._get([self.actors[0].take_grad_norms.remote()], "the stages' gradient norms")[0]
 
     def peak_memory(self) -> list[dict[str, int | None]]:
         return self._get([actor.peak_memory.remote() for actor in self.actors], "the stages' peak memory")

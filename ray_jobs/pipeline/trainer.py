@@ -14,7 +14,7 @@ import functools
 import time
 import warnings
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from ray.exceptions import RayTaskError
@@ -32,7 +32,7 @@ from ray_jobs.core.evaluation import Validation, is_best, progress, validate, wr
 from ray_jobs.core.failure_record import record_failure
 from ray_jobs.core.lr_schedule import lr_schedule
 from ray_jobs.core.model_init import make_model
-from ray_jobs.core.step import non_finite_loss
+from ray_jobs.core.step import non_finite_loss, norm_readings
 from ray_jobs.data import storage
 from ray_jobs.data.stream import epoch_indices, reader_stats, stream_reader
 from ray_jobs.driver import interrupts
@@ -104,6 +104,8 @@ class Attempt:
     resumed_from_step: int | None
     timing: PipelineTiming
     log: TrainLog
+    grad_norms: list[float] = field(default_factory=list)
+    """``--grad-clip-norm``: this attempt's whole-model norm before clipping, per step."""
 
 
 def _epoch(
@@ -128,13 +130,15 @@ def _epoch(
             _checkpoint(stages, prepared, state)
     seconds = time.perf_counter() - began
     attempt.timing.add_epoch(seconds, new * cfg.batch_size, stages.take_timing())
+    norms = stages.take_grad_norms() if cfg.grad_clip_norm is not None else None
+    attempt.grad_norms += norms or []
     state.losses.append(sum(losses) / len(batches))
     state.epochs_completed, state.step, state.step_losses = epoch + 1, 0, []
     validation = _validate(stages, prepared, state)
     print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {state.losses[-1]:.6f}{progress(validation)}", flush=True)
     step_lrs = [lr_schedule(cfg, len(batches)).at(epoch * len(batches) + step) for step in range(len(batches))]
     attempt.log.epoch(
-        epoch, losses, state.losses[-1], validation, new * cfg.batch_size / seconds, step_lrs[-1], step_lrs
+        epoch, losses, state.losses[-1], validation, new * cfg.batch_size / seconds, step_lrs[-1], step_lrs, norms
     )
     if state.epochs_completed % cfg.checkpoint_every == 0 or state.epochs_completed == cfg.epochs:
         _checkpoint(stages, prepared, state, gathered=validation is not None)
@@ -263,6 +267,7 @@ def _finish(
         "resumed_from_epoch": attempt.resumed_from_epoch,
         "resumed_from_step": attempt.resumed_from_step,
         "data_wait_fraction": attempt.timing.data_wait_fraction,
+        "grad_norm": norm_readings(attempt.grad_norms),
         **reader_stats(reader),
     }
     return finish(prepared, attempt.state, metrics, scaling.num_stages, {"scaling": asdict(scaling)}, extra)

@@ -40,7 +40,8 @@ def test_a_dropout_model_resumes_to_the_uninterrupted_runs_weights(ray_cluster, 
     from a new warmup."""
     from ray_jobs.pipeline.scaling import PipelineScaling
 
-    dropout = with_(cfg, model="mlp", depth=3, dropout=0.3, lr_schedule="cosine", warmup_steps=4, min_lr=0.005)
+    # 6 steps an epoch: the resume after epoch 1 lands mid-warmup.
+    dropout = with_(cfg, model="mlp", depth=3, dropout=0.3, lr_schedule="cosine", warmup_steps=9, min_lr=0.005)
     options = {"num_workers": 2} if strategy == "ddp" else {"scaling": PipelineScaling(num_stages=2)}
     uninterrupted = run_strategy(strategy, with_(dropout, name="whole"), **options)
     resumed = run_strategy(strategy, with_(dropout, name="cut", max_failures=1), crash_at_epoch=1, **options)

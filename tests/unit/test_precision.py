@@ -32,7 +32,7 @@ def _step(precision: str, scaler=None) -> tuple[dict[str, torch.Tensor], torch.T
     model = build_model("mlp", 6, 3, hidden=8, depth=3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     x, y = torch.randn(8, 6), torch.randn(8, 3)
-    loss = train_step(model, optimizer, nn.MSELoss(), x, y, precision=precision, scaler=scaler)
+    loss = train_step(model, optimizer, nn.MSELoss(), x, y, precision=precision, scaler=scaler).loss
     return model.state_dict(), loss
 
 
