@@ -27,6 +27,16 @@ class LRSchedule:
     min_lr: float = 0.0
     total_steps: int = 1
     """Optimizer steps in the whole run (``S``)."""
+    steps_per_epoch: int = 1
+    """Global batches (optimizer steps) in one epoch."""
+
+    def step_of(self, epoch: int, step: int) -> int:
+        """The run's optimizer step ``s`` of global batch ``step`` of epoch ``epoch``."""
+        return epoch * self.steps_per_epoch + step
+
+    def epoch(self, epoch: int) -> list[float]:
+        """The LR of each of epoch ``epoch``'s steps (the step log's)."""
+        return [self.at(self.step_of(epoch, step)) for step in range(self.steps_per_epoch)]
 
     def at(self, step: int) -> float:
         if step < self.warmup_steps:
@@ -51,16 +61,19 @@ class LRSchedule:
         return {"first": values[0], "peak": max(values), "last": values[-1]}
 
 
-def lr_schedule(cfg, steps_per_epoch: int) -> LRSchedule:
-    """The run's schedule: ``cfg`` a ``TrainConfig``, ``steps_per_epoch`` its global batches per epoch."""
-    return LRSchedule(cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr, cfg.epochs * steps_per_epoch)
+def lr_schedule(cfg, num_rows: int) -> LRSchedule:
+    """The run's schedule: ``cfg`` a ``TrainConfig``, ``num_rows`` its data's rows (a last partial
+    global batch is dropped, so an epoch is ``num_rows // batch_size`` steps)."""
+    steps = num_rows // cfg.batch_size
+    return LRSchedule(cfg.lr, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr, cfg.epochs * steps, steps)
 
 
-def check_warmup(cfg, steps_per_epoch: int) -> None:
+def check_warmup(cfg, num_rows: int) -> None:
     """A warmup longer than the run would never reach ``--lr``: refused, before Ray."""
-    total = cfg.epochs * steps_per_epoch
-    if cfg.warmup_steps > total:
+    schedule = lr_schedule(cfg, num_rows)
+    if cfg.warmup_steps > schedule.total_steps:
         raise ValueError(
-            f"--warmup-steps {cfg.warmup_steps} is longer than the run's {total} optimizer steps (--epochs "
-            f"{cfg.epochs} x {steps_per_epoch} global batches): the LR would never reach --lr {cfg.lr:g}"
+            f"--warmup-steps {cfg.warmup_steps} is longer than the run's {schedule.total_steps} optimizer steps "
+            f"(--epochs {cfg.epochs} x {schedule.steps_per_epoch} global batches): the LR would never reach "
+            f"--lr {cfg.lr:g}"
         )

@@ -136,7 +136,7 @@ class _Worker:
         self.source = open_source(dataset, loop.reader, cfg.seed, cfg.shuffle, device)
         self.first_step_at: float | None = None  # wall clock, comparable with the driver's
         self.resumed = start is not None
-        self.schedule = lr_schedule(cfg, dataset.num_rows // cfg.batch_size)
+        self.schedule = lr_schedule(cfg, dataset.num_rows)
         self.grad_norms: list[torch.Tensor] = []  # --grad-clip-norm: each step's norm before clipping
         self.losses = list(start.losses) if start else []
         self.val = ray.get(loop.val_dataset) if loop.val_dataset is not None else None
@@ -171,7 +171,7 @@ class _Worker:
             self.first_step_at = time.time()
         mine = (self.source.rows(shard(batch, self.world_size, self.world_rank)) for batch in batches[first_step:])
         for index, (features, targets) in enumerate(prefetched(mine, self.device)):
-            self.schedule.apply(self.optimizer, epoch * len(batches) + first_step + index)
+            self.schedule.apply(self.optimizer, self.schedule.step_of(epoch, first_step + index))
             result = train_step(
                 self.wrapped,
                 self.optimizer,
@@ -235,7 +235,7 @@ class _Worker:
                 validation,
                 self.epoch_samples / seconds,
                 self.optimizer.param_groups[0]["lr"],
-                [self.schedule.at(epoch * len(step_losses) + step) for step in range(len(step_losses))],
+                self.schedule.epoch(epoch),
                 [float(norm) for norm in self.grad_norms[-self.epoch_steps :]] if self.grad_norms else None,
             )
         if (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs:

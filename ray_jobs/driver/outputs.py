@@ -58,7 +58,7 @@ def finish(
         bytes_read=metrics.get("bytes_read", dataset.file_bytes if dataset.ingest == "memory" else None),
         data_wait_fraction=metrics.get("data_wait_fraction"),
         precision=cfg.precision,
-        lr=lr_schedule(cfg, dataset.num_rows // cfg.batch_size).readings(),
+        lr=lr_schedule(cfg, dataset.num_rows).readings(),
         grad_norm=metrics.get("grad_norm"),
         task=dataset.task,
         **validation_summary(prepared, final),

@@ -109,7 +109,7 @@ def prepare(cfg: TrainConfig, strategy: str, claim: Callable[[str, str], None] |
     check_rerun(cfg, name, run_dir)
     dataset = load_data(cfg)
     check_batch_fits(cfg, dataset)
-    check_warmup(cfg, dataset.num_rows // cfg.batch_size)
+    check_warmup(cfg, dataset.num_rows)
     val = None if cfg.val_data is None else load_val_data(cfg, dataset)
     factory = ship_model_code(cfg.model)
     model = initial_model(cfg, dataset, factory)

@@ -91,8 +91,7 @@ class StageWorker:
         self.optimizer = build_optimizer(self.module.parameters(), cfg)
         # The LR of each optimizer step, counted over the run as the workers count it: a restore
         # sets where this stage's count resumes.
-        self.steps_per_epoch = dataset.num_rows // cfg.batch_size
-        self.schedule, self.optimizer_steps = lr_schedule(cfg, self.steps_per_epoch), 0
+        self.schedule, self.optimizer_steps = lr_schedule(cfg, dataset.num_rows), 0
         self.clip_norm, self.grad_norms = cfg.grad_clip_norm, []
         self.scaler = grad_scaler(cfg.precision, self.device)
         if self.scaler is not None:
@@ -328,7 +327,7 @@ class StageWorker:
         load_named_optimizer_state(self.optimizer, dict(self.module.named_parameters()), state.optimizer)
         restore_scaler(self.scaler, state)
         resume_rng(state.rng[0] if state.rng else None, self.seed, self.stage_index, state.epochs_completed)
-        self.optimizer_steps = state.epochs_completed * self.steps_per_epoch + state.step
+        self.optimizer_steps = self.schedule.step_of(state.epochs_completed, state.step)
 
     def peak_memory(self) -> dict[str, int | None]:
         """Peak resident memory of this stage's process, and its GPU's peak allocation."""

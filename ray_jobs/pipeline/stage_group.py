@@ -75,7 +75,10 @@ class StageGroup:
             for index in range(scaling.num_stages)
         ]
         self.nodes = self._get(
-            [actor.node_id.remote() for actor in self.actors], "the stage actors' start", prepared.cfg.resource_timeout
+            [actor.node_id.remote() for actor in self.actors],
+            "the stage actors' start",
+            prepared.cfg.resource_timeout,
+            "--resource-timeout",
         )
         if on_started is not None:
             on_started(self.actors)
@@ -135,14 +138,14 @@ class StageGroup:
             "restoring the stages from the checkpoint",
         )
 
-    def _get(self, refs: list, what: str, timeout_s: float | None = None) -> list:
-        """Every stage's answer, or one line naming what did not come within ``timeout_s``
-        (default ``--batch-timeout-s``: a stage that answers no call in that long is stuck)."""
+    def _get(self, refs: list, what: str, timeout_s: float | None = None, flag: str = "--batch-timeout-s") -> list:
+        """Every stage's answer, or one line naming what did not come within ``timeout_s``, the
+        value of ``flag`` (default ``--batch-timeout-s``: a stage that answers no call in that long
+        is stuck)."""
         timeout_s = self.scaling.batch_timeout_s if timeout_s is None else timeout_s
         try:
             return ray.get(refs, timeout=timeout_s)
         except GetTimeoutError:
-            flag = "--batch-timeout-s" if timeout_s == self.scaling.batch_timeout_s else "--resource-timeout"
             raise TrainingFailed(f"{what} did not finish within {flag} {timeout_s:g}") from None
 
     def describe_failure(self, error: Exception) -> str:

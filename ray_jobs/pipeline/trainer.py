@@ -136,7 +136,7 @@ def _epoch(
     state.epochs_completed, state.step, state.step_losses = epoch + 1, 0, []
     validation = _validate(stages, prepared, state)
     print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {state.losses[-1]:.6f}{progress(validation)}", flush=True)
-    step_lrs = [lr_schedule(cfg, len(batches)).at(epoch * len(batches) + step) for step in range(len(batches))]
+    step_lrs = lr_schedule(cfg, prepared.dataset.num_rows).epoch(epoch)
     attempt.log.epoch(
         epoch, losses, state.losses[-1], validation, new * cfg.batch_size / seconds, step_lrs[-1], step_lrs, norms
     )

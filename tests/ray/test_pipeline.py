@@ -166,5 +166,5 @@ def test_a_stage_that_stops_answering_is_one_line_not_a_hang(ray_cluster):
     ):
         group._get([ref], "gathering the stages' state")
     with pytest.raises(TrainingFailed, match=r"^the stage actors' start did not finish within --resource-timeout 0.2$"):
-        group._get([ref], "the stage actors' start", 0.2)
+        group._get([ref], "the stage actors' start", 0.2, "--resource-timeout")
     ray.cancel(ref, force=True)
