@@ -13,6 +13,7 @@ reported).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 import time
@@ -75,6 +76,8 @@ class TokenizeReport:
     skipped: int = 0
     train_seconds: float = 0.0
     """Of ``seconds``, training the bpe tokenizer."""
+    asked_vocab: int = 0
+    """--vocab-size (bpe): the trained vocabulary is smaller when the text has fewer merges."""
 
     @property
     def tokens(self) -> int:
@@ -211,12 +214,12 @@ def tokenize(
     schema = pa.schema([pa.field(TOKENS_COLUMN, pa.list_(pa.int32()))], metadata=schema_metadata(tokenizer))
 
     def write(streams: list) -> None:
-        writers = [pq.ParquetWriter(stream, schema) for stream in streams[:-1]]
-        rows = [TokenRows(w, split, block_size, row_group_rows) for w, split in zip(writers, splits)]
-        _encode(corpus, tokenizer, rows, val_fraction, random.Random(seed), block_size * SPAN_BLOCKS, progress)
-        for split_rows, writer in zip(rows, writers):
-            split_rows.close()
-            writer.close()
+        with contextlib.ExitStack() as stack:  # each writer closed (a failure's too) before its stream
+            writers = [stack.enter_context(pq.ParquetWriter(stream, schema)) for stream in streams[:-1]]
+            rows = [TokenRows(w, split, block_size, row_group_rows) for w, split in zip(writers, splits)]
+            _encode(corpus, tokenizer, rows, val_fraction, random.Random(seed), block_size * SPAN_BLOCKS, progress)
+            for split_rows in rows:
+                split_rows.close()
         _check_rows(splits, block_size, val_fraction)
         streams[-1].write(tokenizer.to_json().encode())
 
@@ -233,6 +236,7 @@ def tokenize(
         corpus.replaced,
         corpus.skipped,
         train_seconds if kind == "bpe" else 0.0,
+        vocab_size,
     )
 
 
@@ -308,10 +312,13 @@ def report_lines(report: TokenizeReport, output: str, block_size: int) -> list[s
     tokenizer, encoding_s = report.tokenizer, max(report.seconds - report.train_seconds, 1e-9)
     trained = f", bpe trained in {report.train_seconds:.1f} s" if tokenizer.kind == "bpe" else ""
     rate = report.tokens / encoding_s / 1e6
+    short = ""
+    if tokenizer.vocab_size < report.asked_vocab:
+        short = f" (of --vocab-size {report.asked_vocab:,}: the text has no more merges)"
     lines = [
         f"[raypar] tokenized {report.documents:,} documents from {report.files:,} files ({_size(report.input_bytes)}) "
         f"in {report.seconds:.1f} s: {report.tokens:,} tokens, {rate:.2f}M tokens/s{trained}",
-        f"  tokenizer: {tokenizer.kind}, vocabulary {tokenizer.vocab_size:,} (end-of-text {tokenizer.eot_id}) "
+        f"  tokenizer: {tokenizer.kind}, vocabulary {tokenizer.vocab_size:,}{short} (end-of-text {tokenizer.eot_id}) "
         f"-> {storage.join(output, TOKENIZER_FILE)}",
     ]
     for split in report.splits:
