@@ -20,10 +20,26 @@ import numpy as np
 
 from ray_jobs.data import storage
 
-TOKENIZER_KEY = b"raypar.tokenizer"  # the spec JSON, in the Parquet schema metadata
-VOCAB_SIZE_KEY = b"raypar.vocab_size"  # str(vocab_size) as bytes, in the Parquet schema metadata
+# Defined once, where the training data is read: TOKENIZER_KEY (the spec JSON) and VOCAB_SIZE_KEY
+# (str(vocab_size) bytes) in the Parquet schema metadata, and the one column of token ids.
+from ray_jobs.data.parquet import TOKENIZER_KEY, TOKENS_COLUMN, VOCAB_SIZE_KEY
+
+__all__ = [
+    "EOT_TEXT",
+    "TOKENIZER_FILE",
+    "TOKENIZER_KEY",
+    "TOKENS_COLUMN",
+    "VOCAB_SIZE_KEY",
+    "BpeTokenizer",
+    "ByteTokenizer",
+    "Tokenizer",
+    "read_tokenizer",
+    "schema_metadata",
+    "tokenizer_from_json",
+    "train_bpe",
+]
+
 TOKENIZER_FILE = "tokenizer.json"  # the spec's file name, beside the data and in a run directory
-TOKENS_COLUMN = "tokens"
 EOT_TEXT = "<|endoftext|>"
 KINDS = ("byte", "bpe")
 BYTE_VOCAB = 257  # 256 byte values and end-of-text
