@@ -62,9 +62,9 @@ column, and JSON Lines files (.jsonl, .ndjson, .json; one object per line), any 
 each text file, Parquet row or JSON line is one document, and documents are joined by the
 end-of-text token. Row i is tokens [i*T, i*T+T] of the stream, T+1 tokens: consecutive rows share
 one token, so input tokens[:-1] and target tokens[1:] make every token a target once; the tail
-that fills no row is dropped. --val-fraction holds out whole documents (of a document longer than
-64 blocks, whole 64-block spans), each with that probability, drawn in input order from --seed:
-deterministic. Input is streamed: read a piece and written a row group at a time."""
+that fills no row is dropped. --val-fraction f holds out that share of whole documents (of a
+document longer than 64 blocks, of its 64-block spans): every 1/f-th in input order, starting at a
+point drawn from --seed; deterministic. Input is streamed: read a piece and written a row group at a time."""
 
 
 def add_tokenize(commands) -> None:
@@ -85,7 +85,9 @@ def add_tokenize(commands) -> None:
     tokenize.add_argument(
         "--val-fraction", type=float, default=0.0, help="share of documents held out in val.parquet (default: none)"
     )
-    tokenize.add_argument("--seed", type=int, default=0, help="the draws of --val-fraction (default: 0)")
+    tokenize.add_argument(
+        "--seed", type=int, default=0, help="where --val-fraction's every 1/f-th document starts (default: 0)"
+    )
     tokenize.add_argument(
         "--row-group-rows",
         type=int,
