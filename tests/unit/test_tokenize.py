@@ -189,7 +189,10 @@ def test_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys):
         ([*text_in, "--block-size", "2", "--tokenizer", "wordpiece"], "--tokenizer 'wordpiece' is unknown"),
         ([*text_in, "--block-size", "2", "--val-fraction", "1.5"], "--val-fraction must be in [0, 1), got 1.5"),
         ([*text_in, "--block-size", "2", "--val-fraction", "0.5", "--seed", "0"], "the training split has 0 of"),
-        ([*text_in, "--block-size", "8", "--val-fraction", "0.1"], "error: the text has 6 tokens, fewer than one block"),
+        (
+            [*text_in, "--block-size", "8", "--val-fraction", "0.1"],
+            "error: the text has 6 tokens, fewer than one block",
+        ),
         ([*text_in, "--block-size", "2", "--val-fraction", "0.1"], "--val-fraction 0.1 held out 0 tokens, fewer than"),
         (
             ["--input", str(tmp_path / "table.parquet"), "--block-size", "2"],
