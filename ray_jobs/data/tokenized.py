@@ -100,7 +100,9 @@ class TokenRows:
         self.pending_tokens = 0
 
     def add(self, ids: np.ndarray) -> None:
-        self.pending.append(ids)
+        # A span is a view of its whole piece's ids (a 4 MiB text's): kept as it is, a held-out
+        # span pinned its piece until the split's next row group (a 103 MB file: 910 MB resident).
+        self.pending.append(ids.copy() if ids.base is not None else ids)
         self.pending_tokens += len(ids)
         self.report.tokens += len(ids)
         if self.pending_tokens >= self.row_group_rows * self.block_size + 1:
@@ -114,14 +116,13 @@ class TokenRows:
         self.report.dropped = self.pending_tokens - (1 if self.report.rows else 0)
 
     def _write(self, num_rows: int) -> None:
-        stream = np.concatenate(self.pending)
-        rows = self.block_size * np.arange(num_rows)[:, None] + np.arange(self.block_size + 1)
-        width = self.block_size + 1
+        stream, width = np.concatenate(self.pending), self.block_size + 1
+        rows = np.lib.stride_tricks.sliding_window_view(stream[: num_rows * self.block_size + 1], width)
         offsets = pa.array(np.arange(0, num_rows * width + 1, width, dtype=np.int32))
-        tokens = pa.ListArray.from_arrays(offsets, pa.array(stream[rows].reshape(-1)))
+        tokens = pa.ListArray.from_arrays(offsets, pa.array(rows[:: self.block_size].reshape(-1)))
         self.writer.write_table(pa.Table.from_arrays([tokens], schema=self.writer.schema), row_group_size=num_rows)
         self.report.rows += num_rows
-        rest = stream[num_rows * self.block_size :]  # the last row's last token starts the next row
+        rest = stream[num_rows * self.block_size :].copy()  # the last row's last token starts the next row
         self.pending, self.pending_tokens = [rest], len(rest)
 
 
