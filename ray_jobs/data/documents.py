@@ -104,10 +104,10 @@ class Corpus:
     def pieces(self) -> Iterator[tuple[str, bool]]:
         self.done_bytes, self.documents, self.skipped, self.replaced = 0, 0, 0, {}
         for path in self.files:
-            size = os.path.getsize(path)
+            start = self.done_bytes  # each reader adds its own file's progress to this
             reader = {"parquet": self._parquet, "jsonl": self._json_lines, "text": self._text}[file_kind(path)]
             yield from reader(path)
-            self.done_bytes += size
+            self.done_bytes = start + os.path.getsize(path)
 
     def texts(self) -> Iterator[str]:
         return (text for text, _ in self.pieces())

@@ -53,6 +53,7 @@ BATCH_CHARS = 4 << 20
 # A row group holds at most this many tokens (16 MiB of int32) at large block sizes.
 ROW_GROUP_TOKENS = 1 << 22
 LARGE_INPUT_BYTES = 64 << 20  # progress lines on stderr for input this large even when it is not a terminal
+PROGRESS_REDRAW_S, PROGRESS_LINE_S = 0.5, 10.0  # a terminal's line is redrawn this often; a log gets a line
 
 
 @dataclass
@@ -133,7 +134,7 @@ class Progress:
     def __init__(self, corpus: Corpus, out: TextIO = sys.stderr) -> None:
         self.corpus, self.out, self.tty = corpus, out, out.isatty()
         self.enabled = self.tty or corpus.total_bytes >= LARGE_INPUT_BYTES
-        self.every_s = 0.5 if self.tty else 10.0
+        self.every_s = PROGRESS_REDRAW_S if self.tty else PROGRESS_LINE_S
         self.start = self.shown = time.monotonic()
 
     def show(self, what: str, tokens: int | None = None, force: bool = False) -> None:

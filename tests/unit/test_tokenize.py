@@ -4,6 +4,7 @@ end-of-text, checked against a stream built by hand; every bad input one ``error
 from __future__ import annotations
 
 import gzip
+import io
 import json
 
 import pyarrow as pa
@@ -211,3 +212,18 @@ def test_bad_input_is_one_error_line_and_writes_nothing(tmp_path, capsys):
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and message in lines[0] and lines[0].startswith("error:"), (argv, err)
         assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir()), argv
+
+
+def test_large_input_shows_progress_lines_on_stderr(tmp_path, monkeypatch):
+    from ray_jobs.data import tokenized
+
+    write_docs(tmp_path / "in")
+    log = io.StringIO()  # not a terminal: lines only for large input, one per PROGRESS_LINE_S
+    tokenized.tokenize([str(tmp_path / "in")], str(tmp_path / "quiet"), 4, progress_out=log)
+    assert log.getvalue() == ""
+    monkeypatch.setattr(tokenized, "LARGE_INPUT_BYTES", 1)
+    monkeypatch.setattr(tokenized, "PROGRESS_LINE_S", 0.0)
+    tokenized.tokenize([str(tmp_path / "in")], str(tmp_path / "out"), 4, kind="bpe", vocab_size=260, progress_out=log)
+    lines = log.getvalue().splitlines()
+    assert any(line.startswith("training bpe: ") for line in lines)
+    assert lines[-1].startswith("tokenize: 100% of ") and "M tokens/s" in lines[-1]
