@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -227,3 +228,13 @@ def test_large_input_shows_progress_lines_on_stderr(tmp_path, monkeypatch):
     lines = log.getvalue().splitlines()
     assert any(line.startswith("training bpe: ") for line in lines)
     assert lines[-1].startswith("tokenize: 100% of ") and "M tokens/s" in lines[-1]
+
+
+def test_without_the_tokenizers_library_bpe_is_one_line_and_byte_still_works(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers now raises ImportError
+    write_docs(tmp_path / "in")
+    argv = ["--input", str(tmp_path / "in"), "--output", str(tmp_path / "out"), "--block-size", "4"]
+    code, _, err = run(capsys, *argv, "--tokenizer", "bpe")
+    assert code == 2 and err == "error: --tokenizer bpe needs the tokenizers library: pip install 'raypar[lm]'\n"
+    assert not (tmp_path / "out").exists()
+    assert run(capsys, *argv)[0] == 0
