@@ -137,9 +137,9 @@ class Progress:
         self.every_s = PROGRESS_REDRAW_S if self.tty else PROGRESS_LINE_S
         self.start = self.shown = time.monotonic()
 
-    def show(self, what: str, tokens: int | None = None, force: bool = False) -> None:
+    def show(self, what: str, tokens: int | None = None) -> None:
         now = time.monotonic()
-        if not self.enabled or (now - self.shown < self.every_s and not force):
+        if not self.enabled or now - self.shown < self.every_s:
             return
         self.shown = now
         share = self.corpus.done_bytes / max(self.corpus.total_bytes, 1)
@@ -230,16 +230,16 @@ def tokenize(
     if not val_fraction:  # a val split of an earlier run would no longer match this tokenizer
         storage.delete_file(storage.join(output, VAL_FILE))
     return TokenizeReport(
-        tokenizer,
-        len(corpus.files),
-        corpus.total_bytes,
-        corpus.documents,
-        time.monotonic() - start,
-        splits,
-        corpus.replaced,
-        corpus.skipped,
-        train_seconds if kind == "bpe" else 0.0,
-        vocab_size,
+        tokenizer=tokenizer,
+        files=len(corpus.files),
+        input_bytes=corpus.total_bytes,
+        documents=corpus.documents,
+        seconds=time.monotonic() - start,
+        splits=splits,
+        replaced=corpus.replaced,
+        skipped=corpus.skipped,
+        train_seconds=train_seconds if kind == "bpe" else 0.0,
+        asked_vocab=vocab_size,
     )
 
 
