@@ -17,6 +17,14 @@ from ray_jobs.predict.generate import LanguageModel, Sampling, sample
 GPT = {"name": "gpt", "in_features": 257, "out_features": 257, "n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8}
 
 
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    """main() sets torch's threads for its process (--threads); the test session keeps its own."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def lm_run(run_dir, record=GPT, task="lm", tokenizer=None, block_size=6, seed=0) -> torch.nn.Module:
     """A finished lm run's directory as the trainer leaves it (summary.json, model.pt, tokenizer.json),
     without training. Returns the model."""
@@ -140,6 +148,7 @@ def test_bad_input_is_one_error_line(tmp_path, capsys, monkeypatch):
         ([str(tmp_path / "run"), "--checkpoint", "best"], "has no best_model.pt (the run had no --val-data)"),
         ([str(tmp_path / "run"), "--temperature", "-1"], "--temperature must be at least 0, got -1.0"),
         ([str(tmp_path / "run"), "--top-k", "0"], "--top-k must be at least 1, got 0"),
+        ([str(tmp_path / "run"), "--threads", "0"], "--threads must be at least 1, got 0"),
         ([str(tmp_path / "run"), "--block-size", "9"], "--block-size 9 is longer than the model's block_size 8"),
         ([str(tmp_path / "run"), "--model-option", "n_layer=2"], "records its model's options already"),
         ([str(tmp_path / "run" / "model.pt"), "--checkpoint", "best"], "is a weights file already"),
