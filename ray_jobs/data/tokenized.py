@@ -136,15 +136,21 @@ class Progress:
         self.enabled = self.tty or corpus.total_bytes >= LARGE_INPUT_BYTES
         self.every_s = PROGRESS_REDRAW_S if self.tty else PROGRESS_LINE_S
         self.start = self.shown = time.monotonic()
+        self.what = ""
 
-    def show(self, what: str, tokens: int | None = None) -> None:
-        now = time.monotonic()
-        if not self.enabled or now - self.shown < self.every_s:
+    def begin(self, what: str) -> None:
+        """A new phase: its lines say ``what``, its rate counts from now."""
+        self.what, self.start = what, time.monotonic()
+
+    def show(self, tokens: int | None = None, now: bool = False) -> None:
+        """The phase's progress, at most every ``every_s`` unless ``now``."""
+        time_s = time.monotonic()
+        if not self.enabled or (time_s - self.shown < self.every_s and not now):
             return
-        self.shown = now
+        self.shown = time_s
         share = self.corpus.done_bytes / max(self.corpus.total_bytes, 1)
-        rate = f", {tokens / max(now - self.start, 1e-9) / 1e6:.2f}M tokens/s" if tokens is not None else ""
-        line = f"{what}: {share:.0%} of {_size(self.corpus.total_bytes)}{rate}"
+        rate = f", {tokens / max(time_s - self.start, 1e-9) / 1e6:.2f}M tokens/s" if tokens is not None else ""
+        line = f"{self.what}: {share:.0%} of {_size(self.corpus.total_bytes)}{rate}"
         self.out.write(f"\r{line}\033[K" if self.tty else f"{line}\n")
         self.out.flush()
 
@@ -250,9 +256,12 @@ def _check_output(output: str) -> None:
 
 
 def _training_texts(corpus: Corpus, progress: Progress) -> Iterator[str]:
+    progress.begin("training bpe: reading")
     for text in corpus.texts():
-        progress.show("training bpe")
+        progress.show()
         yield text
+    progress.begin("training bpe: learning the merges")  # the library's own work, after the reading
+    progress.show(now=True)
 
 
 class Holdout:
@@ -282,6 +291,7 @@ def _encode(
     """One pass: every piece encoded (in batches), routed to its split, end-of-text after each document."""
     eot = np.array([tokenizer.eot_id], dtype=np.int32)
     split, span_left, starts_document = 0, 0, True
+    progress.begin("tokenize")
     for batch in _batches(corpus.pieces()):
         for ids, ends_document in zip(tokenizer.encode_batch([text for text, _ in batch]), (e for _, e in batch)):
             while len(ids) or (ends_document and starts_document):  # an empty document still gets its end
@@ -294,7 +304,7 @@ def _encode(
             if ends_document:
                 rows[split].add(eot)  # with the document's last span
                 starts_document = True
-        progress.show("tokenize", sum(row.report.tokens for row in rows))
+        progress.show(sum(row.report.tokens for row in rows))
     progress.done()
 
 

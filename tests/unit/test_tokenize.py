@@ -226,7 +226,8 @@ def test_large_input_shows_progress_lines_on_stderr(tmp_path, monkeypatch):
     monkeypatch.setattr(tokenized, "PROGRESS_LINE_S", 0.0)
     tokenized.tokenize([str(tmp_path / "in")], str(tmp_path / "out"), 4, kind="bpe", vocab_size=260, progress_out=log)
     lines = log.getvalue().splitlines()
-    assert any(line.startswith("training bpe: ") for line in lines)
+    assert any(line.startswith("training bpe: reading: ") for line in lines)
+    assert any(line.startswith("training bpe: learning the merges: 100% of") for line in lines)
     assert lines[-1].startswith("tokenize: 100% of ") and "M tokens/s" in lines[-1]
 
 
