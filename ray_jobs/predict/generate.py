@@ -79,12 +79,39 @@ def load_language_model(
 ) -> LanguageModel:
     """The model at ``path`` (a run directory, or a weights file), checked before its code runs;
     ``ValueError`` in one line for anything missing or wrong."""
+    if block_size is not None and block_size < 1:
+        raise ValueError(f"--block-size must be at least 1, got {block_size}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device here; use --device cpu")
     weights, run_dir = _weights(path, checkpoint)
-    has_summary = storage.exists(storage.join(run_dir, SUMMARY_FILE))
-    if not has_summary and weights is None:
-        raise ValueError(f"{path} has no {SUMMARY_FILE}: not a finished raypar run (name its model.pt, with --model)")
+    summary, record = _model_record(path, run_dir, weights is not None, model, model_options, trust_model_code)
     words = _tokenizer(tokenizer, run_dir, path)
-    if has_summary:
+    # a bare weights file's model is built for the tokenizer's vocabulary; a run's record has its own
+    record = {"in_features": words.vocab_size, "out_features": words.vocab_size, **record}
+    weights = weights or storage.join(run_dir, WEIGHTS[checkpoint])
+    if not storage.exists(weights):
+        hint = " (the run had no --val-data)" if checkpoint == "best" else ""
+        raise ValueError(f"{path} has no {WEIGHTS[checkpoint]}{hint}")
+    factory = model_factory(record["name"])
+    loaded = _load(TrainedModel(record, LM_TASK, storage.locate(weights), factory), device, weights)
+    context = block_size or _block_size(summary, record, factory, path)
+    limit = record.get("block_size")
+    if isinstance(limit, int) and context > limit:
+        raise ValueError(f"--block-size {context} is longer than the model's block_size {limit} (positions it has)")
+    return LanguageModel(loaded, words, context, record["out_features"], torch.device(device))
+
+
+def _model_record(
+    path: str,
+    run_dir: str,
+    bare: bool,
+    model: str | None,
+    model_options: dict[str, Any] | None,
+    trust_model_code: bool,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the run's summary, its model record): from the summary.json of the run, or for a weights
+    file with none beside it, ``--model`` and its options (the widths left to the tokenizer)."""
+    if storage.exists(storage.join(run_dir, SUMMARY_FILE)):
         summary = read_summary(run_dir)
         if summary.get("task") != LM_TASK:
             raise ValueError(
@@ -95,30 +122,15 @@ def load_language_model(
         if model_options:
             raise ValueError(f"--model-option: {path}'s summary.json records its model's options already")
         check_allowed(record["name"], run_dir, model, trust_model_code)
-    elif model is None:
+        return summary, record
+    if not bare:
+        raise ValueError(f"{path} has no {SUMMARY_FILE}: not a finished raypar run (name its model.pt, with --model)")
+    if model is None:
         raise ValueError(
             f"{path}: no {SUMMARY_FILE} beside it says which model it holds: name it with --model "
             "(and its --model-option values)"
         )
-    else:
-        vocab = words.vocab_size
-        record = {"name": model, "in_features": vocab, "out_features": vocab, **(model_options or {})}
-        summary = {}
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: torch sees no CUDA device here; use --device cpu")
-    weights = weights or storage.join(run_dir, WEIGHTS[checkpoint])
-    if not storage.exists(weights):
-        hint = " (the run had no --val-data)" if checkpoint == "best" else ""
-        raise ValueError(f"{path} has no {WEIGHTS[checkpoint]}{hint}")
-    factory = model_factory(record["name"])
-    loaded = _load(TrainedModel(record, LM_TASK, storage.locate(weights), factory), device, weights)
-    context = block_size or _block_size(summary, record, factory, path)
-    if context < 1:
-        raise ValueError(f"--block-size must be at least 1, got {context}")
-    limit = record.get("block_size")
-    if isinstance(limit, int) and context > limit:
-        raise ValueError(f"--block-size {context} is longer than the model's block_size {limit} (positions it has)")
-    return LanguageModel(loaded, words, context, record["out_features"], torch.device(device))
+    return {}, {"name": model, **(model_options or {})}
 
 
 def _weights(path: str, checkpoint: str) -> tuple[str | None, str]:
@@ -153,7 +165,8 @@ def _load(trained: TrainedModel, device: str, weights: str) -> nn.Module:
         return trained.load(torch.device(device))
     except RuntimeError as error:  # load_state_dict: the weights are not this model's
         first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
-        raise ValueError(f"{storage.without_query(weights)} does not fit the model {trained.record}: {first}") from None
+        name = trained.record["name"]
+        raise ValueError(f"{storage.without_query(weights)} does not fit the model {name}: {first}") from None
 
 
 def _block_size(summary: dict[str, Any], record: dict[str, Any], factory, path: str) -> int:

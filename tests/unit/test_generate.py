@@ -149,6 +149,7 @@ def test_bad_input_is_one_error_line(tmp_path, capsys, monkeypatch):
         ([str(tmp_path / "run"), "--temperature", "-1"], "--temperature must be at least 0, got -1.0"),
         ([str(tmp_path / "run"), "--top-k", "0"], "--top-k must be at least 1, got 0"),
         ([str(tmp_path / "run"), "--threads", "0"], "--threads must be at least 1, got 0"),
+        ([str(tmp_path / "run"), "--block-size", "0"], "--block-size must be at least 1, got 0"),
         ([str(tmp_path / "run"), "--block-size", "9"], "--block-size 9 is longer than the model's block_size 8"),
         ([str(tmp_path / "run"), "--model-option", "n_layer=2"], "records its model's options already"),
         ([str(tmp_path / "run" / "model.pt"), "--checkpoint", "best"], "is a weights file already"),
