@@ -63,6 +63,7 @@ OPERATIONAL = (
     "name",
     "max_failures",
     "resource_timeout",
+    "peak_tflops",
 )
 
 

@@ -67,3 +67,10 @@ def test_the_smoke_suite_runs_every_case_end_to_end(ray_cluster, tmp_path):
         assert run["driver_peak_rss_bytes"] > 10 * 2**20 and min(run["worker_peak_rss_bytes"]) > 10 * 2**20
         assert run["bytes_read"] > 0 and 0 <= run["data_wait_fraction"] < 1
     assert stream["reader_rows_per_second"] > 0 and set(stream["growth"]) == {"memory", "stream"}
+
+    accum = results["accumulation"]
+    assert [run["grad_accum_steps"] for run in accum["runs"]] == [1, 4]
+    k1, k4 = accum["runs"]
+    for run in (k1, k4):
+        assert run["samples_per_second"]["median"] > 0 and run["peak_rss_bytes"]["median"] > 10 * 2**20
+    assert k4["saved_activation_peak_bytes"] * 4 == k1["saved_activation_peak_bytes"]  # one micro-step at a time
