@@ -21,8 +21,9 @@ import numpy as np
 from ray_jobs.data import storage
 
 # Defined once, where the training data is read: TOKENIZER_KEY (the spec JSON) and VOCAB_SIZE_KEY
-# (str(vocab_size) bytes) in the Parquet schema metadata, and the one column of token ids.
-from ray_jobs.data.parquet import TOKENIZER_KEY, TOKENS_COLUMN, VOCAB_SIZE_KEY
+# (str(vocab_size) bytes) in the Parquet schema metadata, the one column of token ids, and
+# TOKENIZER_FILE, the spec's file name beside the data and in an lm run's directory.
+from ray_jobs.data.parquet import TOKENIZER_FILE, TOKENIZER_KEY, TOKENS_COLUMN, VOCAB_SIZE_KEY
 
 __all__ = [
     "EOT_TEXT",
@@ -39,7 +40,6 @@ __all__ = [
     "train_bpe",
 ]
 
-TOKENIZER_FILE = "tokenizer.json"  # the spec's file name, beside the data and in a run directory
 EOT_TEXT = "<|endoftext|>"
 KINDS = ("byte", "bpe")
 BYTE_VOCAB = 257  # 256 byte values and end-of-text
