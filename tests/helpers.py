@@ -110,6 +110,28 @@ def write_tokens(path: str, rows: int, block_size: int, vocab_size: int = 257, r
     return path
 
 
+GPT = ["n_layer=2", "n_head=2", "n_embd=16"]
+
+
+def lm_config(data: str, tmp_path, **changes) -> TrainConfig:
+    """A few steps of the tiny gpt with a schedule, warmup and a clip; SGD (see tests/ray/test_lm.py)."""
+    settings = dict(
+        data=data,
+        model="gpt",
+        model_option=GPT,
+        epochs=1,
+        batch_size=8,
+        lr=0.5,
+        seed=4,
+        lr_schedule="cosine",
+        warmup_steps=2,
+        grad_clip_norm=1.0,
+        storage_path=str(tmp_path),
+        name="run",
+    )
+    return TrainConfig(**{**settings, **changes})
+
+
 # A streamed dataset's files: uneven row groups, 40 rows in groups of 7, 56 in 16, 24 in 5.
 STREAM_FILES = [(40, 7), (56, 16), (24, 5)]
 

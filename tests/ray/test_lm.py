@@ -14,36 +14,10 @@ import uuid
 
 import pytest
 
-from ray_jobs.core.config import TrainConfig
 from ray_jobs.pipeline.scaling import PipelineScaling
-from tests.helpers import assert_same_weights, load_weights, reference_for, run_strategy, write_tokens
+from tests.helpers import assert_same_weights, lm_config, load_weights, reference_for, run_strategy, write_tokens
 
 pytestmark = pytest.mark.ray
-
-GPT = ["n_layer=2", "n_head=2", "n_embd=16"]
-
-
-@pytest.fixture(scope="module")
-def tokens(tmp_path_factory) -> str:
-    return write_tokens(str(tmp_path_factory.mktemp("lm") / "train.parquet"), rows=48, block_size=8)
-
-
-def lm_config(data: str, tmp_path, **changes) -> TrainConfig:
-    settings = dict(
-        data=data,
-        model="gpt",
-        model_option=GPT,
-        epochs=1,
-        batch_size=8,
-        lr=0.5,
-        seed=4,
-        lr_schedule="cosine",
-        warmup_steps=2,
-        grad_clip_norm=1.0,
-        storage_path=str(tmp_path),
-        name="run",
-    )
-    return TrainConfig(**{**settings, **changes})
 
 
 @pytest.mark.parametrize(
