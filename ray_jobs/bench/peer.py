@@ -1,5 +1,8 @@
 """The plain-PyTorch peer the bench compares raypar with: ``torch.multiprocessing.spawn`` + gloo (or
-one process), no Ray; on GPUs (``device="cuda"``), one process per GPU over nccl."""
+one process), no Ray; on GPUs (``device="cuda"``), one process per GPU over nccl. Any task raypar
+trains: a language model's rows are int64 tokens, its loss the mean token cross-entropy
+(``loss_function("lm")``), and the built-in gpt is built as raypar builds it (``make_model``: its
+``block_size`` the data's context length unless an option says otherwise)."""
 
 from __future__ import annotations
 
@@ -18,9 +21,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 # No Ray here, nor in anything imported here: the peer's spawned processes import this module,
 # and importing Ray there would inflate the peer's start-up cost.
-from models import build_model
 from ray_jobs.core.batches import global_batches, shard
 from ray_jobs.core.config import TrainConfig
+from ray_jobs.core.model_init import make_model
 from ray_jobs.core.step import build_optimizer, grad_scaler, loss_function, train_step
 from ray_jobs.data.order import epoch_order
 from ray_jobs.data.parquet import Dataset
@@ -49,6 +52,8 @@ class PeerResult:
     state: dict[str, torch.Tensor] = field(repr=False)
     peak_rss_bytes: list[int]
     """Peak resident memory of each process (VmHWM)."""
+    niceness: int = 0
+    """World rank 0's scheduling niceness as it trained."""
 
 
 def torch_ddp(
@@ -59,15 +64,17 @@ def torch_ddp(
     num_threads: int = 1,
     timeout_s: float = PEER_TIMEOUT_S,
     device: str = "cpu",
+    niceness: int = 0,
 ) -> PeerResult:
     """Train with plain torch.distributed DDP: ``world_size`` processes from
     ``torch.multiprocessing.spawn``, gloo on 127.0.0.1 (``device`` "cuda": rank r on GPU r, nccl);
-    one process and no DDP when 1."""
+    one process and no DDP when 1. ``niceness``: each process's scheduling niceness (at least
+    this process's), so that it can run at the priority Ray gives raypar's workers."""
     with tempfile.TemporaryDirectory(prefix="raypar-bench-peer-") as directory:
         began = time.time()
         context = mp.spawn(
             _peer_worker,
-            args=(world_size, asdict(cfg), dataset, initial_state, num_threads, directory, timeout_s, device),
+            args=(world_size, asdict(cfg), dataset, initial_state, num_threads, directory, timeout_s, device, niceness),
             nprocs=world_size,
             join=False,
         )
@@ -92,6 +99,7 @@ def torch_ddp(
         losses=rank0["losses"],
         state=rank0["state"],
         peak_rss_bytes=[r["peak_rss_bytes"] for r in ranks],
+        niceness=rank0["niceness"],
     )
 
 
@@ -105,9 +113,11 @@ def _peer_worker(
     directory: str,
     timeout_s: float,
     device: str = "cpu",
+    niceness: int = 0,
 ) -> None:
     """The DDP tutorial's worker over raypar's training contract: what raypar's loop does, minus Ray."""
     cfg = TrainConfig(**train)
+    os.nice(max(0, niceness - os.nice(0)))  # only ever raised: lowering it needs privileges
     torch.set_num_threads(num_threads)
     on = torch.device(f"cuda:{world_rank}" if device == "cuda" else "cpu")
     if on.type == "cuda":
@@ -122,7 +132,7 @@ def _peer_worker(
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
-    model = build_model(cfg.model, dataset.in_features, dataset.out_features, **cfg.model_options)
+    model = make_model(cfg, dataset)  # the data's widths, and for the gpt its context length
     model.load_state_dict(initial_state)
     model.to(on)
     optimizer = build_optimizer(model.parameters(), cfg)
@@ -162,6 +172,7 @@ def _peer_worker(
         "epoch_seconds": epoch_seconds,
         "epoch_steal": epoch_steal,
         "peak_rss_bytes": peak_rss_bytes(),
+        "niceness": os.nice(0),
     }
     if world_rank == 0:
         result["state"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ray_jobs.bench.cases.pipeline import TIME_SHARES
-from ray_jobs.bench.stats import QUIET_STEAL
+from ray_jobs.bench.stats import QUIET_STEAL, gpipe_bubble
 from ray_jobs.bench.suites import OTHER_TRANSPORTS, PIPELINE_TRANSPORT
 
 MIB = 1024 * 1024
@@ -60,6 +60,7 @@ def render(results: dict[str, Any]) -> str:
         f"{machine['platform']}; {results['seconds']:.0f} s; load average (1/5/15 min) "
         f"{machine.get('load_average_at_start')} at start, {machine.get('load_average_at_end')} at end. "
         f"{_steal_line(machine.get('steal_by_run'))}"
+        f"{_niceness_line(machine.get('worker_niceness'))}"
         "Figures: median (min–max) of the repetitions after a warm-up (throughput: every epoch after each "
         "run's first; start-up: the runs); ratios: ratio of medians (least–most favourable pairing).",
     ]
@@ -355,6 +356,7 @@ def render(results: dict[str, Any]) -> str:
     parts += _stage_memory_section(results.get("stage_memory"))
     parts += _stream_section(results.get("stream_ingest"))
     parts += _accumulation_section(results.get("accumulation"))
+    parts += _lm_section(results.get("lm"))
     from ray_jobs.bench.report_gpu import gpu_sections  # here: it uses this module's helpers
 
     parts += gpu_sections(results)
@@ -518,9 +520,70 @@ def _accumulation_section(accum: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _lm_section(lm: dict[str, Any] | None) -> list[str]:
+    if not lm:
+        return []
+    work, ddp, pipe = lm["workload"], lm["ddp"], lm["pipeline"]
+    n, s, m = ddp["num_workers"], pipe["num_stages"], pipe["num_microbatches"]
+    return [
+        "",
+        "## 9. Language model: the gpt in tokens/s",
+        "",
+        f"`gpt` n_layer {work['n_layer']} n_head {work['n_head']} n_embd {work['n_embd']}, block_size (T) "
+        f"{work['block_size']}, vocabulary {work['vocab_size']} (byte tokens of the standard library's sources), "
+        f"{work['rows']:,} rows, global batch {work['batch_size']} rows ({lm['tokens_per_step']:,} tokens), "
+        f"{work['epochs']} epochs of {work['rows'] // work['batch_size']} steps; `--task lm`, the mean token "
+        "cross-entropy. Tokens/s = samples/s x T. DDP: raypar against the plain torch.distributed peer "
+        f"(`mp.spawn`, gloo; the same gpt, weights, tokens and batch), {n} workers x 1 CPU and torch thread. "
+        f"Pipeline: {s} stage actors x {pipe['threads_per_stage']} CPU, M={m} micro-batches, the p2p transport, "
+        "against its sequential schedule (one micro-batch at a time through the same stages) and against the "
+        f"whole gpt in one process ({pipe['threads_per_stage']} thread, the plain loop).",
+        "",
+        markdown_table(
+            ["measure", "raypar DDP (Ray Train)", "torch DDP (spawn, gloo)", "raypar / torch"],
+            [
+                [
+                    "steady tokens/s (epoch loops only)",
+                    fmt(ddp["raypar_tokens_per_second"]),
+                    fmt(ddp["torch_tokens_per_second"]),
+                    fmt(ddp["tokens_per_second_ratio"], ".3f"),
+                ],
+                [
+                    "peak RSS per worker (the largest), MiB",
+                    fmt(ddp["raypar_peak_rss_bytes"], ".0f", 1 / MIB),
+                    fmt(ddp["torch_peak_rss_bytes"], ".0f", 1 / MIB),
+                    "-",
+                ],
+            ],
+        ),
+        "",
+        markdown_table(
+            ["pipeline schedule", "tokens/s", "vs sequential", "vs single process", "bubble", "bubble theory"],
+            [
+                [
+                    r["schedule"],
+                    fmt(r["tokens_per_second"]),
+                    fmt(r["speedup_vs_sequential"], ".2f"),
+                    fmt(r["speedup_vs_single_process"], ".2f"),
+                    fmt(r["bubble_fraction"], ".3f"),
+                    f"{gpipe_bubble(s, m):.3f}" if r["schedule"] != "sequential" else "-",
+                ]
+                for r in pipe["schedules"]
+            ]
+            + [["single process, whole gpt", fmt(pipe["single_process_tokens_per_second"]), "-", "-", "-", "-"]],
+        ),
+    ]
+
+
 def _gpus(machine: dict[str, Any]) -> str:
     gpus = machine.get("gpus")  # absent from reports before the GPU suite
     return f"{len(gpus)} GPU ({', '.join(sorted(set(gpus)))}, CUDA {machine.get('cuda')}), " if gpus else ""
+
+
+def _niceness_line(niceness: int | None) -> str:
+    if niceness is None:  # a report from before the peers matched it
+        return ""
+    return f"Ray's workers and the plain-torch peers ran at nice {niceness}. "
 
 
 def _quiet_cell(figures: dict[str, Any]) -> str:

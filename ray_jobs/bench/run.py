@@ -11,7 +11,9 @@ interleaved.
 
 Cases: DDP overhead (raypar vs torch.multiprocessing + gloo), DDP scaling, the actor pipeline
 (schedules, micro-batches, transports, bubble, transfer cost), DataParallel vs DDP, data ingest,
-pipeline stage memory, streaming ingest, and gradient accumulation (``--grad-accum-steps`` 4 vs 1).
+pipeline stage memory, streaming ingest, gradient accumulation (``--grad-accum-steps`` 4 vs 1), and
+a language model (the built-in gpt in tokens/s: DDP vs the peer, the pipeline vs its sequential
+schedule). The peers run at the niceness of Ray's workers.
 ``--suite gpu`` (CUDA only; one ``error:`` line without it): DDP over 1..N GPUs vs the plain loop
 and plain nccl DDP, DataParallel vs DDP, fp32 vs bf16, the pipeline over GPUs (``cases/gpu.py``).
 """
@@ -79,7 +81,7 @@ def run_suite(
     results: dict[str, Any] = {
         "suite": suite.name,
         "settings": asdict(suite),
-        "machine": machine_info(),
+        "machine": {**machine_info(), "worker_niceness": bench.niceness},  # the peers' too
         "complete": False,
     }
     for name, case in CASES.items():

@@ -17,6 +17,8 @@ QUIET_STEAL = 0.03
 # The DDP ratio is judged on quiet epochs only when each side has at least this many.
 MIN_QUIET_EPOCHS = 2
 TARGET_PIPELINE_SPEEDUP = 1.6
+TARGET_LM_DDP_RATIO = 0.97  # issue #33: raypar DDP's tokens/s over the plain peer's on the gpt, 2 CPU workers
+TARGET_LM_PIPELINE_SPEEDUP = 1.5  # issue #33: the pipeline on the gpt over its sequential schedule, S=2 M=8
 TARGET_BUBBLE_POINTS = 0.05
 TARGET_INGEST_RATIO = 5.0
 TARGET_STREAM_GROWTH_MIB = 250  # peak RSS growth allowed for 16x the streamed data
@@ -239,7 +241,35 @@ def targets(results: dict[str, Any]) -> list[dict]:
             "x",
         )
     )
-    return found + stream_targets(results.get("stream_ingest"))
+    return found + stream_targets(results.get("stream_ingest")) + lm_targets(results.get("lm"))
+
+
+def lm_targets(lm: dict[str, Any] | None) -> list[dict]:
+    """The language-model case's: raypar DDP's tokens/s over the plain peer's, and each overlapping
+    schedule's over the sequential one's."""
+    found = [
+        target(
+            f"lm gpt DDP {lm['ddp']['num_workers'] if lm else '?'} workers tokens/s, raypar / torch",
+            lm and lm["ddp"]["tokens_per_second_ratio"],
+            f">= {TARGET_LM_DDP_RATIO}x",
+            lambda v: v >= TARGET_LM_DDP_RATIO,
+            "x",
+        )
+    ]
+    rows = {row["schedule"]: row for row in lm["pipeline"]["schedules"]} if lm else {}
+    label = f"S={lm['pipeline']['num_stages']} M={lm['pipeline']['num_microbatches']}" if lm else ""
+    for schedule in ("gpipe", "1f1b"):
+        row = rows.get(schedule)
+        found.append(
+            target(
+                f"lm gpt pipeline {schedule} {label} / sequential tokens/s".replace("  ", " "),
+                row and row["speedup_vs_sequential"],
+                f">= {TARGET_LM_PIPELINE_SPEEDUP}x",
+                lambda v: v >= TARGET_LM_PIPELINE_SPEEDUP,
+                "x",
+            )
+        )
+    return found
 
 
 def _fed_target(headroom: float | None, fed: list[float] | None) -> dict:

@@ -47,6 +47,45 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class LmWorkload:
+    """The built-in ``gpt`` on byte tokens of the standard library's own sources (``--task lm``):
+    ``rows`` rows of ``block_size + 1`` consecutive tokens, written as Parquet like tokenized text."""
+
+    n_layer: int
+    n_head: int
+    n_embd: int
+    block_size: int
+    """T: tokens per input row, and the gpt's context length (its ``block_size`` default)."""
+    rows: int
+    batch_size: int
+    epochs: int
+    vocab_size: int = 257  # the byte tokenizer's: 256 byte values and end-of-text
+    model: str = "gpt"
+
+    def config(self, data: str, storage_path: str, name: str) -> TrainConfig:
+        return TrainConfig(
+            model=self.model,
+            model_option=[f"n_layer={self.n_layer}", f"n_head={self.n_head}", f"n_embd={self.n_embd}"],
+            task="lm",
+            data=data,
+            epochs=self.epochs,
+            batch_size=self.batch_size,
+            checkpoint_every=self.epochs,
+            num_checkpoints_to_keep=1,
+            storage_path=storage_path,
+            name=name,
+        )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.rows // self.batch_size
+
+    @property
+    def samples_per_epoch(self) -> int:
+        return self.steps_per_epoch * self.batch_size
+
+
+@dataclass(frozen=True)
 class Suite:
     name: str
     description: str
@@ -85,6 +124,12 @@ class Suite:
     accum: Workload
     """The accumulation case's model: wide layers and a large global batch, so that what a worker
     holds for backward (activations) outweighs its weights; its global batch divides by 4 per worker."""
+    lm: LmWorkload
+    """The language-model case's gpt and tokens: DDP against the plain peer, and the pipeline
+    (``num_stages``, ``target_microbatches``) against the sequential schedule; its global batch
+    divides by ``ddp_workers`` and by ``target_microbatches``."""
+    lm_repetitions: int
+    """Runs of each side of the language-model case (each run's epochs after the first are its repetitions)."""
 
 
 SUITES: dict[str, Suite] = {
@@ -118,6 +163,10 @@ SUITES: dict[str, Suite] = {
         # 8,192 rows per worker and step through 1,024-wide layers: 99 MiB of activations saved for
         # backward at K=1 (25 MiB at K=4) against 8 MiB of weights, so the saving shows in peak RSS.
         accum=Workload("mlp", 1024, 4, rows=65536, in_features=64, out_features=16, batch_size=16384, epochs=4),
+        # 0.86M parameters, ~5 MFLOPs a token: one step of 32 rows x 64 tokens per worker takes ~0.25 s
+        # on one thread here, against ~10 ms for gloo's all-reduce of its 3.4 MiB of gradients.
+        lm=LmWorkload(n_layer=4, n_head=4, n_embd=128, block_size=64, rows=512, batch_size=64, epochs=4),
+        lm_repetitions=2,
     ),
     "full": Suite(
         name="full",
@@ -141,6 +190,8 @@ SUITES: dict[str, Suite] = {
         memory_stages=(1, 2, 4, 8),
         stream=Workload("mlp", 256, 2, rows=3_800_000, in_features=64, out_features=4, batch_size=1024, epochs=2),
         accum=Workload("mlp", 2048, 4, rows=131072, in_features=64, out_features=16, batch_size=32768, epochs=5),
+        lm=LmWorkload(n_layer=8, n_head=8, n_embd=256, block_size=128, rows=2048, batch_size=128, epochs=4),
+        lm_repetitions=5,
     ),
     "gpu": Suite(
         name="gpu",
@@ -169,6 +220,8 @@ SUITES: dict[str, Suite] = {
         memory_stages=(1,),
         stream=Workload("mlp", 16, 2, rows=32768, in_features=8, out_features=2, batch_size=256, epochs=1),
         accum=Workload("mlp", 64, 2, rows=1024, in_features=8, out_features=2, batch_size=256, epochs=1),
+        lm=LmWorkload(n_layer=2, n_head=2, n_embd=32, block_size=16, rows=128, batch_size=64, epochs=1),  # not run
+        lm_repetitions=1,
     ),
     "smoke": Suite(
         name="smoke",
@@ -192,6 +245,8 @@ SUITES: dict[str, Suite] = {
         memory_stages=(1, 2),
         stream=Workload("mlp", 16, 2, rows=32768, in_features=8, out_features=2, batch_size=256, epochs=1),
         accum=Workload("mlp", 32, 3, rows=512, in_features=8, out_features=4, batch_size=64, epochs=2),
+        lm=LmWorkload(n_layer=2, n_head=2, n_embd=32, block_size=16, rows=128, batch_size=16, epochs=2),
+        lm_repetitions=1,
     ),
 }
 

@@ -74,3 +74,13 @@ def test_the_smoke_suite_runs_every_case_end_to_end(ray_cluster, tmp_path):
     for run in (k1, k4):
         assert run["samples_per_second"]["median"] > 0 and run["peak_rss_bytes"]["median"] > 10 * 2**20
     assert k4["saved_activation_peak_bytes"] * 4 == k1["saved_activation_peak_bytes"]  # one micro-step at a time
+
+    lm = results["lm"]
+    assert lm["ddp"]["num_workers"] == 2 and lm["tokens_per_step"] == SUITES["smoke"].lm.batch_size * 16
+    for side in ("raypar", "torch"):
+        assert lm["ddp"][f"{side}_tokens_per_second"]["median"] > 0
+    assert [row["schedule"] for row in lm["pipeline"]["schedules"]] == ["sequential", "gpipe", "1f1b"]
+    for row in lm["pipeline"]["schedules"]:
+        assert row["tokens_per_second"]["median"] > 0 and 0 <= row["bubble_fraction"]["median"] <= 1
+    assert lm["pipeline"]["single_process_tokens_per_second"]["median"] > 0
+    assert results["machine"]["worker_niceness"] >= 0  # Ray's workers' (15 by default), the peers' too

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import sysconfig
+from pathlib import Path
+
+import torch
+
 from ray_jobs.bench.cases.accumulation import ACCUM_STEPS, step_saved_bytes
 from ray_jobs.bench.cases.data_parallel import worker_counts
+from ray_jobs.bench.cases.lm import lm_figures, per_token, stdlib_byte_tokens, write_lm_tokens
 from ray_jobs.bench.cases.pipeline import same_ops_as
+from ray_jobs.bench.stats import stats
 from ray_jobs.bench.suites import SUITES
+from ray_jobs.data.parquet import read_dataset
 
 
 def test_schedules_with_the_same_op_order_run_once():
@@ -33,3 +41,45 @@ def test_the_accumulation_case_holds_a_quarter_of_the_activations_at_k4():
     work = SUITES["quick"].accum  # 8,192 rows per worker: 64 in, 1,024 x 3 hidden (ReLU outputs), 16 out
     per_row = (64 + 3 * 1024 + 16 + 16) * 4  # each Linear's input, the loss's input and target, float32
     assert [step_saved_bytes(work, 2, k) for k in (1, 4)] == [8192 * per_row, 2048 * per_row]
+
+
+def test_the_lm_batch_divides_over_the_workers_and_the_microbatches():
+    for suite in SUITES.values():
+        assert suite.lm.batch_size % suite.ddp_workers == 0, suite.name
+        assert suite.lm.batch_size % suite.target_microbatches == 0, suite.name
+        assert suite.lm.n_embd % suite.lm.n_head == 0, suite.name
+
+
+def test_the_lm_tokens_are_consecutive_bytes_of_the_standard_library(tmp_path):
+    path = write_lm_tokens(str(tmp_path / "lm.parquet"), rows=5, block_size=8)
+    dataset = read_dataset(path, task="auto")
+    assert (dataset.task, dataset.num_classes, dataset.block_size, dataset.num_rows) == ("lm", 257, 8, 5)
+    stream = stdlib_byte_tokens(5 * 8 + 1)
+    torch.testing.assert_close(torch.from_numpy(dataset.features), torch.from_numpy(stream[:40]).long().view(5, 8))
+    torch.testing.assert_close(torch.from_numpy(dataset.targets), torch.from_numpy(stream[1:41]).long().view(5, 8))
+    first = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[0].read_bytes()
+    shown = min(len(first), 41)
+    assert bytes(stream[:shown].tolist()) == first[:shown]  # the first source's bytes, as they are
+
+
+def test_lm_figures_are_tokens_per_second_and_their_ratios():
+    work = SUITES["smoke"].lm  # T = 16
+    pipe = {"bubble_fraction": [0.5]}
+    raw = {
+        "raypar": [{"samples_per_second": [90.0, 100.0], "peak_rss_bytes": 5}],
+        "torch": [{"samples_per_second": [100.0], "peak_rss_bytes": 4}],
+        "single_process": [{"samples_per_second": [50.0]}],
+        "sequential": [{"samples_per_second": [40.0], **pipe}],
+        "gpipe": [{"samples_per_second": [70.0], **pipe}],
+        "1f1b": [{"samples_per_second": [60.0], **pipe}],
+    }
+    figures = lm_figures(raw, work, num_workers=2, num_stages=2, num_microbatches=4)
+    ddp = figures["ddp"]
+    assert ddp["raypar_tokens_per_second"] == stats([90.0 * 16, 100.0 * 16])
+    assert ddp["tokens_per_second_ratio"] == {"median": 0.95, "min": 0.9, "max": 1.0}
+    assert figures["tokens_per_step"] == work.batch_size * 16
+    gpipe = figures["pipeline"]["schedules"][1]
+    assert gpipe["schedule"] == "gpipe" and gpipe["tokens_per_second"]["median"] == 70.0 * 16
+    assert gpipe["speedup_vs_sequential"]["median"] == 70.0 / 40.0
+    assert gpipe["speedup_vs_single_process"]["median"] == 70.0 / 50.0
+    assert per_token(stats([2.0, 3.0]), 4) == stats([8.0, 12.0])

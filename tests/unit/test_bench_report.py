@@ -7,8 +7,10 @@ import re
 
 import pytest
 
+from ray_jobs.bench.cases.lm import lm_figures
 from ray_jobs.bench.report import fmt, markdown_table, render
 from ray_jobs.bench.stats import ratio, stats, targets
+from ray_jobs.bench.suites import SUITES
 from tests.helpers import REPO
 
 
@@ -51,7 +53,7 @@ def test_render_reports_each_target_met_missed_or_not_run():
     results["targets"] = targets(results)
     text = render(results)
     assert re.search(r"\| ingest rows/s / DDP samples/s +\| >= 5x +\| +100.00 \| met +\|", text)
-    assert len(re.findall(r"\| not run +\|", text)) == 9  # the DDP, pipeline and streaming cases did not run
+    assert len(re.findall(r"\| not run +\|", text)) == 12  # the DDP, pipeline, streaming and lm cases did not run
     assert "plots skipped: matplotlib not installed." in text
     assert "steal" not in text  # not measured: no claim either way
 
@@ -99,6 +101,29 @@ def test_render_puts_accumulation_k4_beside_k1():
     assert re.search(r"\| steady samples/s \(epoch loops only\) +\| +1,000 \| +900 \| +0.90 \|", text)
     assert re.search(r"\| peak RSS per worker \(the largest\), MiB +\| +600 \| +540 \| +0.90 \|", text)
     assert re.search(r"\| activations held for backward, .* MiB +\| +100.0 \| +25.0 \| +0.25 \|", text)
+
+
+def test_render_puts_the_lm_case_in_tokens_per_second_beside_its_peers():
+    work = SUITES["smoke"].lm  # T = 16
+    pipe = {"bubble_fraction": [0.25]}
+    raw = {
+        "raypar": [{"samples_per_second": [98.0], "peak_rss_bytes": 500 * 2**20}],
+        "torch": [{"samples_per_second": [100.0], "peak_rss_bytes": 400 * 2**20}],
+        "single_process": [{"samples_per_second": [50.0]}],
+        "sequential": [{"samples_per_second": [40.0], **pipe}],
+        "gpipe": [{"samples_per_second": [80.0], **pipe}],
+        "1f1b": [{"samples_per_second": [60.0], **pipe}],
+    }
+    results = {"suite": "quick", "seconds": 1.0, "plots": "none", "lm": lm_figures(raw, work, 2, 2, 4)}
+    results["machine"] = {"cpu_count": 2, "torch": "t", "ray": "r", "python": "p", "platform": "x"}
+    results["targets"] = targets(results)
+    text = render(results)
+    assert "## 9. Language model: the gpt in tokens/s" in text
+    assert re.search(r"\| steady tokens/s \(epoch loops only\) +\| +1,568 \| +1,600 \| +0.980 \|", text)
+    assert re.search(r"\| gpipe +\| +1,280 \| +2.00 \| +1.60 \| +0.250 \| +0.200 \|", text)
+    assert re.search(r"\| single process, whole gpt +\| +800 \|", text)
+    assert re.search(r"\| lm gpt DDP 2 workers tokens/s, raypar / torch +\| >= 0.97x +\| +0.98 \| met +\|", text)
+    assert re.search(r"\| lm gpt pipeline 1f1b S=2 M=4 / sequential tokens/s +\| >= 1.5x +\| +1.50 \| met +\|", text)
 
 
 def test_fmt_shows_median_then_range_and_collapses_a_flat_range():

@@ -14,11 +14,25 @@ from typing import Any
 
 from ray_jobs.bench.peer import torch_ddp
 from ray_jobs.bench.stats import quiet, steady
-from ray_jobs.bench.suites import Suite, Workload
+from ray_jobs.bench.suites import LmWorkload, Suite, Workload
 from ray_jobs.core.config import TrainConfig
 from ray_jobs.data.parquet import synthesize, write_table
 from ray_jobs.driver.prepare import prepare
 from ray_jobs.observability.process_stats import cpu_times, steal_fraction
+
+
+def ray_worker_niceness() -> int:
+    """The scheduling niceness of the cluster's worker processes (raypar's DDP workers and stage
+    actors): Ray's raylet starts them at 15 on Linux (``RAY_worker_niceness``). The plain-torch
+    peers take the same, so that other work on the machine takes as much CPU from either side;
+    on an idle machine niceness changes nothing."""
+    import ray
+
+    return ray.get(ray.remote(num_cpus=0)(_niceness).remote())
+
+
+def _niceness() -> int:
+    return os.nice(0)
 
 
 class Bench:
@@ -27,6 +41,7 @@ class Bench:
     def __init__(self, suite: Suite, out: str, storage_path: str, log: Callable[[str], None] = print) -> None:
         self.suite, self.out, self.storage_path, self.log = suite, out, storage_path, log
         self.runs = 0
+        self.niceness = ray_worker_niceness()
         self.steal: list[dict[str, Any]] = []  # per measured run: the hypervisor's share of the CPU
         self.ddp_data = os.path.join(out, "data", "ddp.parquet")
         self.pipeline_data = os.path.join(out, "data", "pipeline.parquet")
@@ -38,16 +53,30 @@ class Bench:
         ):
             write_table(synthesize(work.rows, work.in_features, work.out_features, "regression", seed=0), path)
 
-    def config(self, work: Workload, data: str, label: str) -> TrainConfig:
+    def config(self, work: Workload | LmWorkload, data: str, label: str) -> TrainConfig:
         self.runs += 1
         return work.config(data, self.storage_path, f"bench-{os.getpid()}-{self.runs:03d}-{label}")
 
     def peer(
-        self, work: Workload, data: str, world_size: int, num_threads: int, device: str = "cpu", precision: str = "fp32"
+        self,
+        work: Workload | LmWorkload,
+        data: str,
+        world_size: int,
+        num_threads: int,
+        device: str = "cpu",
+        precision: str = "fp32",
     ) -> dict[str, Any]:
         cfg = dataclasses.replace(self.config(work, data, f"torch{world_size}"), precision=precision)
         prepared = prepare(cfg, "torch")
-        result = torch_ddp(cfg, prepared.dataset, prepared.initial_state, world_size, num_threads, device=device)
+        result = torch_ddp(
+            cfg,
+            prepared.dataset,
+            prepared.initial_state,
+            world_size,
+            num_threads,
+            device=device,
+            niceness=self.niceness,
+        )
         self.clean(prepared.run_dir)
         return {
             "samples_per_second": steady(result.epoch_seconds, work.samples_per_epoch),

@@ -10,7 +10,7 @@ from typing import Any
 
 from ray_jobs.bench.cases.common import Bench
 from ray_jobs.bench.stats import quiet, quiet_ratio, ratio, steady, summarise
-from ray_jobs.bench.suites import Workload
+from ray_jobs.bench.suites import LmWorkload, Workload
 from ray_jobs.core.config import WorkerScaling
 from ray_jobs.driver.prepare import prepare
 
@@ -23,7 +23,7 @@ def raypar_data_parallel(
     use_gpu: bool = False,
     precision: str = "fp32",
     *,
-    work: Workload | None = None,
+    work: Workload | LmWorkload | None = None,
     data: str | None = None,
     grad_accum_steps: int = 1,
 ) -> dict[str, Any]:

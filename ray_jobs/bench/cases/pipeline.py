@@ -19,7 +19,7 @@ from ray_jobs.bench.stats import (
     summarise,
     transfer_overhead_us,
 )
-from ray_jobs.bench.suites import OTHER_TRANSPORTS, PIPELINE_SCHEDULES, PIPELINE_TRANSPORT
+from ray_jobs.bench.suites import OTHER_TRANSPORTS, PIPELINE_SCHEDULES, PIPELINE_TRANSPORT, LmWorkload, Workload
 from ray_jobs.driver.prepare import prepare
 from ray_jobs.pipeline.schedules import SCHEDULES
 
@@ -28,10 +28,20 @@ THREADS_PER_STAGE = 1  # each stage actor's CPUs and torch threads; also the sin
 TIME_SHARES = ("compute", "optimizer", "receive_wait", "p2p_calls")
 
 
-def run_pipeline(bench: Bench, schedule: str, num_microbatches: int, transport: str) -> dict[str, Any]:
+def run_pipeline(
+    bench: Bench,
+    schedule: str,
+    num_microbatches: int,
+    transport: str,
+    *,
+    work: Workload | LmWorkload | None = None,
+    data: str | None = None,
+) -> dict[str, Any]:
+    """One pipeline run of ``work`` on ``data`` (by default the suite's pipeline workload and data)."""
     from ray_jobs.pipeline import trainer as pipeline
 
-    cfg = bench.config(bench.suite.pipeline, bench.pipeline_data, f"pipe-{schedule}-{num_microbatches}-{transport}")
+    work, data = work or bench.suite.pipeline, data or bench.pipeline_data
+    cfg = bench.config(work, data, f"pipe-{schedule}-{num_microbatches}-{transport}")
     scaling = pipeline.PipelineScaling(
         num_stages=bench.suite.num_stages,
         num_microbatches=num_microbatches,
@@ -44,7 +54,7 @@ def run_pipeline(bench: Bench, schedule: str, num_microbatches: int, transport: 
         warnings.filterwarnings("ignore", message=".*the pipeline can never fill.*")
         summary = pipeline.run(prepared, scaling)
     bench.clean(prepared.run_dir)
-    work, num_stages = bench.suite.pipeline, bench.suite.num_stages
+    num_stages = bench.suite.num_stages
     timed = after_warmup(list(zip(summary.extra["epoch_seconds"], summary.extra["epoch_stage_time_fractions"])))
     step_s = [seconds / work.steps_per_epoch for seconds, _ in timed]
     result = {
