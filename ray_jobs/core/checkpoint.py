@@ -53,6 +53,10 @@ class TrainState:
     """``--val-data``: the validation loss after each completed epoch (empty without it)."""
     val_accuracy: list[float | None] = field(default_factory=list)
     """``--val-data``: the validation accuracy after each completed epoch (None for regression)."""
+    sharded: bool = False
+    """The weights and optimizer state are in the checkpoint's ``shards/`` (fsdp:
+    ``torch.distributed.checkpoint``, each rank's part written by that rank); ``model`` then holds
+    the full weights in a run's last checkpoint only, and ``optimizer`` nothing."""
 
     @property
     def progress(self) -> tuple[int, int]:

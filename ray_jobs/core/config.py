@@ -163,6 +163,15 @@ class TrainConfig:
             choices=PRECISIONS,
         ),
     )
+    activation_checkpointing: bool = field(
+        default=False,
+        metadata=flag_doc(
+            "recompute each top-level block's forward in backward instead of keeping its activations "
+            "(torch.utils.checkpoint, non-reentrant, dropout's RNG kept): less activation memory, one more forward "
+            "per block, the same weights (ddp, dp, fsdp, and each pipeline stage)",
+            "training",
+        ),
+    )
     # checkpoints
     checkpoint_every: int = field(
         default=1, metadata=flag_doc("checkpoint every N epochs (and always at the end)", "checkpoints")

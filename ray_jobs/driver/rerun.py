@@ -62,6 +62,7 @@ OPERATIONAL = (
     "name",
     "max_failures",
     "resource_timeout",
+    "activation_checkpointing",  # recomputes the same activations: the same weights
 )
 
 

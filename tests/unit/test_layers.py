@@ -28,11 +28,16 @@ RANKS = {
     "errors": 6,
     "models": 7,
 }
-ENTRY_POINTS = {"ray_jobs.ddp", "ray_jobs.dp"}  # plus every __main__ and the bench, a harness of entry points
+ENTRY_POINTS = {
+    "ray_jobs.ddp",
+    "ray_jobs.dp",
+    "ray_jobs.fsdp",
+}  # plus every __main__ and the bench, a harness of entry points
 # What runs inside a Ray Train worker, a stage actor or the stream's reader actor.
 WORKER_SIDE = [
     "ray_jobs.data_parallel.worker",
     "ray_jobs.data_parallel.wrap",
+    "ray_jobs.data_parallel.sharding",
     "ray_jobs.pipeline.stage",
     "ray_jobs.data.stream",
 ]
