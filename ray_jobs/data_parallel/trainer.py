@@ -129,7 +129,14 @@ def _fit(prepared: PreparedRun, scaling: WorkerScaling, wrap, reader, faults: Fa
     metrics = {**(result.metrics or {}), **reader_stats(reader)}
     extra = {
         key: metrics.get(key)
-        for key in ("worker_node_ranks", "epoch_seconds", "epoch_steal", "first_step_at", "worker_peak_rss_bytes")
+        for key in (
+            "worker_node_ranks",
+            "epoch_seconds",
+            "epoch_steal",
+            "first_step_at",
+            "worker_peak_rss_bytes",
+            "worker_model_state_bytes",
+        )
     }
     # The attempts whose work is in the model, as its last checkpoint recorded them.
     extra["world_sizes"] = final.world_sizes or None

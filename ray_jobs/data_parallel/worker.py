@@ -52,6 +52,7 @@ from ray_jobs.data.device_copy import prefetched
 from ray_jobs.data.stream import epoch_indices, open_source
 from ray_jobs.data_parallel.wrap import Replicas
 from ray_jobs.errors import described
+from ray_jobs.observability.model_memory import model_state_bytes
 from ray_jobs.observability.process_stats import cpu_times, peak_rss_bytes, steal_fraction
 from ray_jobs.observability.tensorboard import TrainLog
 from ray_jobs.testing.faults import NO_FAULTS, Faults
@@ -221,6 +222,8 @@ class _Worker:
             data_wait_fraction=self.source.wait_s / sum(self.epoch_seconds),
             first_step_at=self.first_step_at,
             worker_peak_rss_bytes=_gather(peak_rss_bytes(), self.world_size),
+            # after the epoch's last step: its gradients and the optimizer state are all there
+            worker_model_state_bytes=_gather(model_state_bytes(self.model, self.optimizer), self.world_size),
             grad_norm=norm_readings(self.grad_norms),
         )
         if self.world_rank == 0:

@@ -137,3 +137,29 @@ def test_fsdp_bf16_matches_the_bf16_reference(ray_cluster, tmp_path, regression_
         # bf16 has no bit-level contract: each worker's gradient of its half batch is rounded to
         # bf16 where one process rounds the whole batch's (the bf16 DDP test's 4.4e-4 measured)
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=2e-3, msg=key)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "pipeline"])
+def test_activation_checkpointing_trains_the_reference_weights(ray_cluster, tmp_path, regression_data, strategy):
+    """Each top-level block recomputed in backward: the same weights as the reference (which
+    keeps its activations), to the tolerance of the strategy without checkpointing."""
+    from ray_jobs.pipeline.scaling import PipelineScaling
+
+    cfg = TrainConfig(
+        model="mlp",
+        hidden=8,
+        depth=3,
+        data=regression_data,
+        epochs=2,
+        seed=2,
+        batch_size=16,
+        momentum=0.9,
+        activation_checkpointing=True,
+        storage_path=str(tmp_path),
+        name="run",
+    )
+    options = {"scaling": PipelineScaling(num_stages=2)} if strategy == "pipeline" else {"num_workers": 2}
+    summary = run_strategy(strategy, cfg, **options)
+    expected_weights, expected_losses = reference_for(cfg)
+    assert_same_weights(load_weights(summary.run_dir), expected_weights)
+    assert summary.losses == pytest.approx(expected_losses, rel=1e-5)
