@@ -14,14 +14,8 @@ from typing import Any
 
 from torch import nn
 
-
-class NamedSequential(nn.Sequential):
-    """``nn.Sequential`` with named children, so state_dict keys read ``net1.weight`` not ``0.weight``."""
-
-    def __init__(self, **children: nn.Module) -> None:
-        super().__init__()
-        for name, child in children.items():
-            self.add_module(name, child)
+from models.gpt import gpt
+from models.named import NamedSequential
 
 
 def seed_linear(in_features: int, out_features: int) -> nn.Module:
@@ -62,6 +56,7 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "seed-mlp": seed_mlp,
     "seed-split": seed_split,
     "mlp": mlp,
+    "gpt": gpt,
 }
 # Options each model accepts; anything else is a user error, not silently ignored.
 MODEL_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -69,6 +64,7 @@ MODEL_OPTIONS: dict[str, tuple[str, ...]] = {
     "seed-mlp": ("hidden",),
     "seed-split": ("hidden",),
     "mlp": ("hidden", "depth", "dropout"),
+    "gpt": ("n_layer", "n_head", "n_embd", "block_size", "dropout"),
 }
 
 

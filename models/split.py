@@ -8,7 +8,7 @@ import time
 import torch
 from torch import nn
 
-from models.registry import NamedSequential
+from models.named import NamedSequential
 
 
 def _units(model: nn.Sequential) -> list[list[tuple[str, nn.Module]]]:

@@ -16,7 +16,7 @@ from models import MODELS, is_user_model
 from ray_jobs.core.lr_schedule import LR_SCHEDULES
 
 OPTIMIZERS = ("sgd", "adamw")
-TASKS = ("auto", "regression", "classification")
+TASKS = ("auto", "regression", "classification", "lm")
 INGESTS = ("auto", "memory", "stream")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_SPREAD", "STRICT_PACK")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -56,12 +56,25 @@ class TrainConfig:
     )
     task: str = field(
         default="auto",
-        metadata=flag_doc("auto: an integer target column is classification, floats regression", "data", choices=TASKS),
+        metadata=flag_doc(
+            "auto: a list<int> tokens column is lm (next-token prediction), an integer target column "
+            "classification, floats regression",
+            "data",
+            choices=TASKS,
+        ),
     )
     num_classes: int | None = field(
         default=None,
         metadata=flag_doc(
             "classes K (labels 0..K-1)", "data", "the files' raypar.num_classes, else the largest label + 1"
+        ),
+    )
+    vocab_size: int | None = field(
+        default=None,
+        metadata=flag_doc(
+            "lm: the vocabulary size V (token ids 0..V-1)",
+            "data",
+            "the files' raypar.vocab_size, else the largest id + 1",
         ),
     )
     val_data: str | None = field(
@@ -243,6 +256,11 @@ class TrainConfig:
         if self.ingest == "stream" and self.data is None:
             raise ValueError("--ingest stream needs --data (the synthetic default is generated in memory)")
         require(self.num_classes is None or self.num_classes >= 2, "num_classes", self.num_classes, "at least 2")
+        require(self.vocab_size is None or self.vocab_size >= 2, "vocab_size", self.vocab_size, "at least 2")
+        if self.vocab_size is not None and self.task not in ("auto", "lm"):
+            raise ValueError(f"--vocab-size applies to --task lm, not --task {self.task}")
+        if self.vocab_size is not None and self.num_classes is not None:
+            raise ValueError("--vocab-size is a language model's class count: give it or --num-classes, not both")
         require(self.dropout is None or 0 <= self.dropout < 1, "dropout", self.dropout, "in [0, 1)")
         for flag in ("epochs", "batch_size", "checkpoint_every", "num_checkpoints_to_keep"):
             require(getattr(self, flag) >= 1, flag, getattr(self, flag), "at least 1")
@@ -260,6 +278,11 @@ class TrainConfig:
             require(getattr(self, flag) >= 0, flag, getattr(self, flag), "zero or more")
         if self.optimizer != "sgd" and self.momentum:
             raise ValueError("--momentum applies to --optimizer sgd only")
+
+    @property
+    def class_count(self) -> int | None:
+        """What the data's class count must be: ``--vocab-size`` (lm) or ``--num-classes``."""
+        return self.vocab_size if self.vocab_size is not None else self.num_classes
 
     @property
     def model_options(self) -> dict[str, Any]:

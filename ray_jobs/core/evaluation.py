@@ -1,6 +1,6 @@
 """``--val-data``: the validation loss (and accuracy) after every epoch, the same for every strategy.
 
-The set is cut into fixed chunks of ``CHUNK_ROWS`` rows whatever the worker count; each chunk's
+The set is cut into fixed chunks of ``chunk_rows`` rows whatever the worker count; each chunk's
 loss sum (float64) is computed by one process, and the chunks' sums are added in chunk order. A
 row's output therefore never depends on how many workers there are (a matmul's rounding can
 depend on its batch size), and neither does the order of the additions: DDP with any worker
@@ -16,8 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from models.lm import logits_of
 from ray_jobs.data import storage
 from ray_jobs.data.parquet import Dataset, read_dataset
 from ray_jobs.data.stream import Footers, StreamDataset, decode_block, plan_stream
@@ -30,10 +32,21 @@ BEST_MODEL_FILE = "best_model.pt"
 
 @dataclass
 class Validation:
-    """The loss and accuracy (classification; else None) over the whole set after one epoch."""
+    """The loss and accuracy (classification; else None) over the whole set after one epoch; a
+    language model's loss is the mean over every token, and its perplexity ``exp(loss)``."""
 
     loss: float
     accuracy: float | None
+    task: str = "regression"
+
+    @property
+    def perplexity(self) -> float | None:
+        return perplexity(self.loss) if self.task == "lm" else None
+
+
+def perplexity(loss: float) -> float:
+    """exp of the mean token loss; inf rather than an OverflowError for a diverged model."""
+    return math.exp(loss) if loss < 700 else math.inf
 
 
 def read_val_data(
@@ -61,7 +74,9 @@ def read_val_data(
             f"--val-data {path} has {val.in_features} features per row, the training data {train.in_features}"
         )
     if val.out_features != train.out_features:
-        what = "classes" if train.task == "classification" else "target values per row"
+        what = {"classification": "classes", "lm": "token ids in its vocabulary"}.get(
+            train.task, "target values per row"
+        )
         raise ValueError(f"--val-data {path} has {val.out_features} {what}, the training data {train.out_features}")
     return val
 
@@ -118,15 +133,14 @@ def chunk_sums(
 ) -> dict[int, tuple[float, int]]:
     """``{chunk: (loss sum, correct rows)}`` for the given chunks of ``val`` (float64 loss sums)."""
     rows_of = _row_reader(val)
-    loss_fn = nn.CrossEntropyLoss(reduction="none") if val.task == "classification" else nn.MSELoss(reduction="none")
+    loss_fn = _row_loss(val.task)
+    rows = chunk_rows(val)
     was_training = model.training
     model.eval()  # dropout off, BatchNorm's running statistics: the model a user would deploy
     sums = {}
     with torch.no_grad():
         for chunk in chunks:
-            x, y = (
-                tensor.to(device) for tensor in rows_of(chunk * CHUNK_ROWS, min((chunk + 1) * CHUNK_ROWS, val.num_rows))
-            )
+            x, y = (tensor.to(device) for tensor in rows_of(chunk * rows, min((chunk + 1) * rows, val.num_rows)))
             out = model(x)
             per_row = loss_fn(out, y)
             if per_row.dim() > 1:  # MSE: a row's loss is the mean over its target values
@@ -137,8 +151,23 @@ def chunk_sums(
     return sums
 
 
+def _row_loss(task: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Each row's loss, unreduced over rows (MSE and a language model's: still per value or token)."""
+    if task == "lm":
+        return lambda out, y: F.cross_entropy(logits_of(out).transpose(1, 2), y, reduction="none")
+    return nn.CrossEntropyLoss(reduction="none") if task == "classification" else nn.MSELoss(reduction="none")
+
+
+def chunk_rows(val: Dataset | StreamDataset) -> int:
+    """Rows per validation forward: ``CHUNK_ROWS``, or for a language model as many rows as keep one
+    chunk's logits (rows x T x V floats) near 256 MiB."""
+    if val.task != "lm":
+        return CHUNK_ROWS
+    return max(1, min(CHUNK_ROWS, 2**26 // (val.block_size * val.num_classes)))
+
+
 def num_chunks(val: Dataset | StreamDataset) -> int:
-    return math.ceil(val.num_rows / CHUNK_ROWS)
+    return math.ceil(val.num_rows / chunk_rows(val))
 
 
 def my_chunks(val: Dataset | StreamDataset, world_rank: int, world_size: int) -> range:
@@ -154,7 +183,7 @@ def combine(sums: dict[int, tuple[float, int]], val: Dataset | StreamDataset) ->
         raise RuntimeError(f"validation has chunks {sorted(sums)} of {num_chunks(val)}")
     loss = math.fsum(sums[chunk][0] for chunk in range(num_chunks(val))) / val.num_rows
     correct = sum(sums[chunk][1] for chunk in sums)
-    return Validation(loss, correct / val.num_rows if val.task == "classification" else None)
+    return Validation(loss, correct / val.num_rows if val.task == "classification" else None, val.task)
 
 
 def validate(model: nn.Module, val: Dataset | StreamDataset, device: torch.device) -> Validation:
@@ -183,4 +212,5 @@ def progress(validation: Validation | None) -> str:
     if validation is None:
         return ""
     accuracy = f"  val accuracy {validation.accuracy:.4f}" if validation.accuracy is not None else ""
-    return f"  val loss {validation.loss:.6f}{accuracy}"
+    ppl = f"  val perplexity {validation.perplexity:.3f}" if validation.perplexity is not None else ""
+    return f"  val loss {validation.loss:.6f}{accuracy}{ppl}"

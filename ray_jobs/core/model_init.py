@@ -7,19 +7,41 @@ from __future__ import annotations
 import io
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from models import build_model, not_reproducible_layers
+from models.lm import logits_of
 from ray_jobs.core.config import TrainConfig
 from ray_jobs.data.parquet import Dataset
+
+
+def model_options(cfg: TrainConfig, dataset) -> dict[str, Any]:
+    """The model's options: the flags', and for the built-in gpt on token data a ``block_size``
+    defaulting to the data's context length T."""
+    options = cfg.model_options
+    if cfg.model == "gpt" and dataset.block_size is not None and "block_size" not in options:
+        options["block_size"] = dataset.block_size
+    return options
+
+
+def probe_input(dataset, rows: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """A batch of ``rows`` inputs of the data's shape, for measuring or shaping a model: token ids
+    (zeros) for a language model, standard normal features otherwise (drawn from the global RNG:
+    callers that must not disturb it fork it)."""
+    if dataset.task == "lm":
+        return torch.zeros(rows, dataset.block_size, dtype=torch.int64, device=device)
+    return torch.randn(rows, dataset.in_features, device=device)
 
 
 def make_model(cfg: TrainConfig, dataset, factory: Callable[..., nn.Module] | None = None) -> nn.Module:
     """The run's model, freshly initialised; ``factory``: a user model's callable as the driver
     resolved it (workers that cannot import the user's module get it by value)."""
-    return build_model(cfg.model, dataset.in_features, dataset.out_features, factory=factory, **cfg.model_options)
+    return build_model(
+        cfg.model, dataset.in_features, dataset.out_features, factory=factory, **model_options(cfg, dataset)
+    )
 
 
 def warn_not_reproducible(cfg: TrainConfig, dataset, factory, strategy: str, synced: tuple[type, ...] = ()) -> None:
@@ -38,6 +60,8 @@ def initial_model(cfg: TrainConfig, dataset: Dataset, factory: Callable[..., nn.
     """The run's starting weights: ``--init-from`` if given, else ``manual_seed(seed)`` then build."""
     torch.manual_seed(cfg.seed)
     model = make_model(cfg, dataset, factory)
+    if dataset.task == "lm":
+        check_language_model(cfg, model, dataset)
     if cfg.init_from is not None:
         state = load_state_dict_file(cfg.init_from)
         try:
@@ -49,6 +73,32 @@ def initial_model(cfg: TrainConfig, dataset: Dataset, factory: Callable[..., nn.
                 f"{dataset.in_features} inputs and {dataset.out_features} outputs: {first}"
             ) from None
     return model
+
+
+def check_language_model(cfg: TrainConfig, model: nn.Module, dataset) -> None:
+    """A language model must map token ids (B, T) to logits (B, T, V): tried on a 2-row batch of
+    zeros before any worker starts, so a wrong model fails in a second with what came back."""
+    batch, length, vocab = 2, dataset.block_size, dataset.num_classes
+    tokens = torch.zeros(batch, length, dtype=torch.int64)
+    state = torch.random.get_rng_state()
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = logits_of(model(tokens))
+    except Exception as error:  # the user's model: its error, on one line
+        first = str(error).splitlines()[0] if str(error) else ""
+        raise ValueError(
+            f"--model {cfg.model} on a ({batch}, {length}) batch of token ids raised {type(error).__name__}: {first}"
+        ) from None
+    finally:
+        model.train(was_training)
+        torch.random.set_rng_state(state)  # the check draws nothing the run would see
+    if tuple(logits.shape) != (batch, length, vocab):
+        raise ValueError(
+            f"--model {cfg.model} returned logits of shape {tuple(logits.shape)} for a ({batch}, {length}) batch of "
+            f"token ids; a language model must return (batch, tokens, vocabulary) = ({batch}, {length}, {vocab})"
+        )
 
 
 def load_state_dict_file(path: str) -> dict[str, torch.Tensor]:

@@ -13,8 +13,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from models.lm import logits_of
 from ray_jobs.core.config import TrainConfig
 
 
@@ -25,8 +27,20 @@ def rank_seed(seed: int, rank: int, epoch: int = 0) -> int:
     return seed + (epoch << 24) + (rank << 48)
 
 
+class TokenCrossEntropy(nn.Module):
+    """A language model's loss: the mean cross-entropy over every (row, position) of the batch,
+    ``F.cross_entropy(logits.reshape(-1, V), target.reshape(-1))``. Every row holds T positions, so
+    the mean over equal shards is the global batch's, as for the row losses."""
+
+    def forward(self, output, target: torch.Tensor) -> torch.Tensor:
+        logits = logits_of(output)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
 def loss_function(task: str) -> nn.Module:
     """Mean-reduced loss, so equal shards averaged by all-reduce give the global-batch mean."""
+    if task == "lm":
+        return TokenCrossEntropy()
     return nn.CrossEntropyLoss() if task == "classification" else nn.MSELoss()
 
 

@@ -17,6 +17,11 @@ from ray_jobs.data.storage import resolve
 
 TASKS = ("regression", "classification")
 NUM_CLASSES_KEY = b"raypar.num_classes"
+# A language model's data, as `python -m ray_jobs.data tokenize` writes it: one list<int> column of
+# T+1 consecutive tokens per row (input tokens[:-1], target tokens[1:]), the vocabulary in the metadata.
+TOKENS_COLUMN = "tokens"
+VOCAB_SIZE_KEY = b"raypar.vocab_size"
+TOKENIZER_KEY = b"raypar.tokenizer"
 # Row groups are what a stream reads and shuffles (--ingest stream): written no larger than this.
 PARQUET_SUFFIX = ".parquet"  # what a directory of data is read for
 ROW_GROUP_ROWS = 16384
@@ -25,7 +30,9 @@ CLASSES_FROM_LABELS = "the largest label + 1 (state --num-classes when a split m
 
 @dataclass
 class Dataset:
-    """All rows in memory: ``features`` float32 (n, D); ``targets`` float32 (n, K) or int64 (n,)."""
+    """All rows in memory: ``features`` float32 (n, D); ``targets`` float32 (n, K) or int64 (n,).
+    A language model's (``task`` lm): ``features`` and ``targets`` int64 (n, T), the tokens and the
+    same tokens one position on; ``num_classes`` is the vocabulary size V."""
 
     features: np.ndarray
     targets: np.ndarray
@@ -43,11 +50,16 @@ class Dataset:
 
     @property
     def in_features(self) -> int:
-        return self.features.shape[1]
+        return self.num_classes if self.task == "lm" else self.features.shape[1]
 
     @property
     def out_features(self) -> int:
-        return self.num_classes if self.task == "classification" else self.targets.shape[1]
+        return self.num_classes if self.task in ("classification", "lm") else self.targets.shape[1]
+
+    @property
+    def block_size(self) -> int | None:
+        """A language model's context length T (tokens per input row); None for other tasks."""
+        return self.features.shape[1] if self.task == "lm" else None
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Features and targets as tensors sharing the arrays' memory (no copy)."""
@@ -113,6 +125,11 @@ def table_to_dataset(
     """
     if table.num_rows == 0:
         raise ValueError("the dataset has no rows")
+    tokens_column = feature_column if feature_column != "features" else TOKENS_COLUMN
+    if task == "lm" or (
+        task == "auto" and feature_column not in table.column_names and _holds_token_lists(table, tokens_column)
+    ):
+        return _language_model(table, tokens_column, task, num_classes)
     features = fixed_width(_column(table, feature_column, "--feature-column"), feature_column)
     target = _column(table, target_column, "--target-column")
     if stored_classes is None:
@@ -188,6 +205,58 @@ def _classification(
         raise ValueError(f"column {name!r} has label {labels.max()} >= num_classes {classes} ({source})")
     why = "--task classification" if task == "classification" else f"column {name!r} holds integers"
     return Dataset(features, labels, "classification", classes, f"{why}; {classes} classes from {source}")
+
+
+def _holds_token_lists(table: pa.Table, name: str) -> bool:
+    if name not in table.column_names:
+        return False
+    kind = table.schema.field(name).type
+    is_list = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+    return is_list and pa.types.is_integer(kind.value_type)
+
+
+def _language_model(table: pa.Table, name: str, task: str, vocab_size: int | None) -> Dataset:
+    """Rows of T+1 token ids: input ``tokens[:-1]``, target ``tokens[1:]``; V from ``vocab_size``
+    (``--vocab-size``), else the files' ``raypar.vocab_size``, else the largest id + 1."""
+    if not _holds_token_lists(table, name):
+        what = (
+            f"column {name!r} holds {table.schema.field(name).type}"
+            if name in table.column_names
+            else (f"the data has no column {name!r} (it has {', '.join(table.column_names)})")
+        )
+        raise ValueError(
+            f"--task lm needs a list<int> column of token ids ({what}); make one with "
+            "python -m ray_jobs.data tokenize, or name it with --feature-column"
+        )
+    column = _column(table, name, "--feature-column").combine_chunks()
+    lengths = np.asarray(column.value_lengths()) if not pa.types.is_fixed_size_list(column.type) else None
+    width = column.type.list_size if lengths is None else int(lengths[0])
+    if lengths is not None and (lengths != width).any():
+        bad = int(np.argmax(lengths != width))
+        raise ValueError(
+            f"column {name!r}: row 0 has {width} tokens, row {bad} has {int(lengths[bad])}; every row needs "
+            "the same T+1 tokens (python -m ray_jobs.data tokenize writes them so)"
+        )
+    if width < 2:
+        raise ValueError(f"column {name!r} has rows of {width} token(s); a row needs T+1 >= 2 (input and target)")
+    tokens = np.asarray(column.flatten().to_numpy(zero_copy_only=False), dtype=np.int64).reshape(-1, width)
+    stored = (table.schema.metadata or {}).get(VOCAB_SIZE_KEY)
+    if vocab_size is not None:
+        vocab, source = vocab_size, "--vocab-size"
+    elif stored is not None:
+        vocab, source = int(stored), "the data's raypar.vocab_size"
+    else:
+        vocab, source = int(tokens.max()) + 1, "the largest token id + 1"
+    out_of_range = (tokens < 0) | (tokens >= vocab)
+    if out_of_range.any():
+        row = int(np.argmax(out_of_range.any(axis=1)))
+        token = int(tokens[row][out_of_range[row]][0])
+        raise ValueError(
+            f"column {name!r} row {row} has token id {token}, outside the vocabulary 0..{vocab - 1} ({source})"
+        )
+    why = "--task lm" if task == "lm" else f"column {name!r} holds lists of token ids"
+    reason = f"{why}; {width - 1} tokens per row, vocabulary {vocab} from {source}"
+    return Dataset(tokens[:, :-1], tokens[:, 1:], "lm", vocab, reason)
 
 
 def read_dataset(

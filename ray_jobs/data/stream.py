@@ -72,6 +72,8 @@ class StreamDataset:
     reason: str
     uncompressed_bytes: int
     window_rows: int = 65536
+    block_size: int | None = None
+    """A language model's tokens per input row (T); None for other tasks."""
     ingest: str = field(default="stream", init=False)
 
     # Cached: a source asks for them on every batch, and a dataset may have many row groups.
@@ -189,6 +191,7 @@ def plan_stream(
         sample.reason,
         total,
         window_rows,
+        sample.block_size,
     )
 
 
@@ -324,6 +327,11 @@ class WindowReader:
             )
         except ValueError as error:
             raise Failure(str(error)) from None
+        if decoded.block_size != dataset.block_size:
+            raise Failure(
+                f"--data {block.file} row group {block.row_group}: rows of {decoded.block_size} + 1 tokens; the "
+                f"data's first row group has {dataset.block_size} + 1"
+            )
         if decoded.in_features != dataset.in_features or decoded.out_features != dataset.out_features:
             raise Failure(
                 f"--data {block.file} row group {block.row_group}: {decoded.in_features} inputs and "

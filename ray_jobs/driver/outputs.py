@@ -13,6 +13,7 @@ from ray_jobs.core.checkpoint import TrainState, latest_checkpoint, latest_progr
 from ray_jobs.core.config import TrainConfig
 from ray_jobs.core.evaluation import best_epoch
 from ray_jobs.core.lr_schedule import lr_schedule
+from ray_jobs.core.model_init import model_options
 from ray_jobs.data import storage
 from ray_jobs.data.parquet import Dataset
 from ray_jobs.data.stream import StreamDataset
@@ -28,7 +29,7 @@ def model_record(cfg: TrainConfig, dataset: Dataset | StreamDataset) -> dict[str
         "name": cfg.model,
         "in_features": dataset.in_features,
         "out_features": dataset.out_features,
-        **cfg.model_options,
+        **model_options(cfg, dataset),
     }
 
 

@@ -59,14 +59,14 @@ def load_data(cfg: TrainConfig) -> Dataset | StreamDataset:
     """The data, whole in memory or as a stream's metadata (``--ingest``); says which and why."""
     if cfg.data is None:
         table = synthesize(SYNTHETIC_ROWS, SYNTHETIC_IN, SYNTHETIC_OUT, "regression", cfg.seed)
-        return table_to_dataset(table, task=cfg.task, num_classes=cfg.num_classes)
+        return table_to_dataset(table, task=cfg.task, num_classes=cfg.class_count)
     mode, why, footers = ingest_mode(cfg)
     print(f"[raypar] ingest: {mode} ({why})", flush=True)
     if mode == "stream":
         return plan_stream(
-            cfg.data, cfg.feature_column, cfg.target_column, cfg.task, cfg.num_classes, cfg.shuffle_window_rows, footers
+            cfg.data, cfg.feature_column, cfg.target_column, cfg.task, cfg.class_count, cfg.shuffle_window_rows, footers
         )
-    return read_dataset(cfg.data, cfg.feature_column, cfg.target_column, cfg.task, cfg.num_classes)
+    return read_dataset(cfg.data, cfg.feature_column, cfg.target_column, cfg.task, cfg.class_count)
 
 
 def load_val_data(cfg: TrainConfig, train: Dataset | StreamDataset) -> Dataset | StreamDataset:

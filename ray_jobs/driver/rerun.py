@@ -27,6 +27,7 @@ FIXED = (
     "target_column",
     "task",
     "num_classes",
+    "vocab_size",
     "val_data",
     "model",
     "model_option",

@@ -11,7 +11,7 @@ import torch
 
 from models import split_into_stages, unit_names, unit_seconds
 from ray_jobs.core.config import TrainConfig
-from ray_jobs.core.model_init import make_model
+from ray_jobs.core.model_init import make_model, probe_input
 from ray_jobs.core.step import autocast
 
 
@@ -77,7 +77,7 @@ def measured_unit_costs(
         {key: value.clone() if key in buffers else value for key, value in initial_state.items()}, assign=True
     )
     with torch.random.fork_rng(devices=[]):  # the driver's own draws stay as without the measurement
-        sample = torch.randn(cfg.batch_size // num_microbatches, dataset.in_features)
+        sample = probe_input(dataset, cfg.batch_size // num_microbatches)
     threads = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
@@ -87,9 +87,9 @@ def measured_unit_costs(
         torch.set_num_threads(threads)
 
 
-def boundary_shapes(stages: list[torch.nn.Module], in_features: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+def boundary_shapes(stages: list[torch.nn.Module], dataset) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Per-row shape and dtype of each stage's output, from one probe row through the meta stages."""
-    shapes, x = [], torch.zeros(1, in_features, device="meta")
+    shapes, x = [], probe_input(dataset, 1, device="meta")
     with torch.no_grad():
         for stage in stages[:-1]:
             x = stage(x)

@@ -85,7 +85,7 @@ class StageWorker:
         self.num_microbatches = num_microbatches
         stages = meta_stages(cfg, dataset, num_stages, model_factory, unit_costs)
         # What crosses each cut, per row: a receiver must know the shape before the bytes arrive.
-        self.boundary_shapes = boundary_shapes(stages, dataset.in_features)
+        self.boundary_shapes = boundary_shapes(stages, dataset)
         # Only this stage's layers ever get memory: the whole model exists on the meta device.
         self.module = stages[stage_index].to_empty(device=self.device)
         self.module.load_state_dict(initial_slice)

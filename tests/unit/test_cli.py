@@ -25,7 +25,7 @@ BAD_INPUT = [
         ["--min-workers", "1", "--max-failures", "1", "--resize-interval", "0"],
         "error: --resize-interval must be positive, got 0.0",
     ),
-    (["--model", "vit"], "error: --model 'vit' is unknown; valid models: mlp, seed-linear, seed-mlp, seed-split"),
+    (["--model", "vit"], "error: --model 'vit' is unknown; valid models: gpt, mlp, seed-linear, seed-mlp, seed-split"),
     (["--model", "seed-linear", "--hidden", "4"], "error: model 'seed-linear' does not take --hidden"),
     (["--epochs", "-1"], "error: --epochs must be at least 1, got -1"),
     (["--placement-strategy", "ANY"], "error: --placement-strategy 'ANY' is unknown"),

@@ -15,7 +15,7 @@ from ray_jobs.data_parallel.dp import DataParallelScaling
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"model": "gpt"}, "--model 'gpt' is unknown"),
+        ({"model": "vit"}, "--model 'vit' is unknown"),
         ({"optimizer": "lion"}, "--optimizer 'lion' is unknown; valid: sgd, adamw"),
         ({"epochs": 0}, "--epochs must be at least 1, got 0"),
         ({"batch_size": -4}, "--batch-size must be at least 1, got -4"),

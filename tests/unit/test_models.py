@@ -50,7 +50,7 @@ def test_same_seed_same_weights():
 @pytest.mark.parametrize(
     ("args", "options", "message"),
     [
-        (("resnet", 4, 2), {}, "unknown model 'resnet'; valid models: mlp, seed-linear, seed-mlp, seed-split"),
+        (("resnet", 4, 2), {}, "unknown model 'resnet'; valid models: gpt, mlp, seed-linear, seed-mlp, seed-split"),
         (("seed-linear", 4, 2), {"hidden": 8}, "does not take --hidden; its options: none"),
         (("seed-mlp", 4, 2), {"depth": 3}, "does not take --depth; its options: --hidden"),
         (("mlp", 0, 2), {}, "in_features must be a positive integer"),

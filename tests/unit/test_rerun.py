@@ -25,6 +25,7 @@ CHANGES = {
     "target_column": (["--target-column", "y"], "--target-column target -> y"),
     "task": (["--task", "regression"], "--task auto -> regression"),
     "num_classes": (["--num-classes", "3"], "--num-classes (unset) -> 3"),
+    "vocab_size": (["--vocab-size", "300"], "--vocab-size (unset) -> 300"),
     "model": (["--model", "mlp"], "--model seed-mlp -> mlp"),
     "val_data": (["--val-data", "OTHER"], "--val-data (unset) -> {other}"),
     "model_option": (["--model", "mlp", "--model-option", "depth=3"], "--model-option [] -> ['depth=3']"),

@@ -94,7 +94,7 @@ def test_layers_data_parallelism_cannot_match_are_named(user_module):
         (
             "{module}",
             [],
-            "error: --model '{module}' is unknown; valid models: mlp, seed-linear, seed-mlp, seed-split, "
+            "error: --model '{module}' is unknown; valid models: gpt, mlp, seed-linear, seed-mlp, seed-split, "
             "or module.path:callable",
         ),
     ],
