@@ -355,7 +355,9 @@ def render(results: dict[str, Any]) -> str:
     parts += _stage_memory_section(results.get("stage_memory"))
     parts += _stream_section(results.get("stream_ingest"))
     from ray_jobs.bench.report_gpu import gpu_sections  # here: it uses this module's helpers
+    from ray_jobs.bench.report_sharding import sharding_section
 
+    parts += sharding_section(results.get("sharding"))
     parts += gpu_sections(results)
     on = "GPU, nccl" if results["suite"] == "gpu" else "CPU, gloo"
     parts += [

@@ -47,6 +47,18 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class GPTShape:
+    """The activation-memory case's GPT (``--model gpt``) and the token batch it runs on."""
+
+    n_layer: int
+    n_head: int
+    n_embd: int
+    block_size: int
+    vocab_size: int
+    batch_size: int
+
+
+@dataclass(frozen=True)
 class Suite:
     name: str
     description: str
@@ -82,6 +94,8 @@ class Suite:
     memory_stages: tuple[int, ...]
     stream: Workload
     """The streaming case's model and its large dataset (``rows``; the small one has 1/16)."""
+    gpt: GPTShape = GPTShape(n_layer=6, n_head=4, n_embd=256, block_size=256, vocab_size=512, batch_size=8)
+    """The sharding case's GPT: activation memory with and without --activation-checkpointing."""
 
 
 SUITES: dict[str, Suite] = {
@@ -183,6 +197,7 @@ SUITES: dict[str, Suite] = {
         memory=Workload("mlp", 64, 4, rows=128, in_features=64, out_features=64, batch_size=32, epochs=1),
         memory_stages=(1, 2),
         stream=Workload("mlp", 16, 2, rows=32768, in_features=8, out_features=2, batch_size=256, epochs=1),
+        gpt=GPTShape(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, batch_size=4),
     ),
 }
 

@@ -67,3 +67,10 @@ def test_the_smoke_suite_runs_every_case_end_to_end(ray_cluster, tmp_path):
         assert run["driver_peak_rss_bytes"] > 10 * 2**20 and min(run["worker_peak_rss_bytes"]) > 10 * 2**20
         assert run["bytes_read"] > 0 and 0 <= run["data_wait_fraction"] < 1
     assert stream["reader_rows_per_second"] > 0 and set(stream["growth"]) == {"memory", "stream"}
+
+    sharding = results["sharding"]  # FSDP beside DDP: each worker holds a part of the model state
+    assert sharding["num_workers"] == 2 and 0 < sharding["model_state_ratio"] < 1
+    assert all(
+        worker["optimizer"] > 0 for side in sharding["model_state_bytes"].values() for worker in side
+    )  # AdamW's moments counted
+    assert sharding["activations"]["checkpointed"]["saved_bytes"] < sharding["activations"]["plain"]["saved_bytes"]

@@ -13,6 +13,7 @@ from ray_jobs.bench.cases.data_parallel import data_parallel_cases
 from ray_jobs.bench.cases.gpu import GPU_CASES
 from ray_jobs.bench.cases.ingest import ingest_case
 from ray_jobs.bench.cases.pipeline import pipeline_case
+from ray_jobs.bench.cases.sharding import sharding_case
 from ray_jobs.bench.cases.stage_memory import stage_memory_case
 from ray_jobs.bench.cases.stream_ingest import stream_ingest_case
 
@@ -23,6 +24,7 @@ CASES: dict[str, Callable[[Bench, dict[str, Any]], dict[str, Any]]] = {
     "ingest": ingest_case,  # after data_parallel: it compares with the DDP job's consumption
     "stage_memory": stage_memory_case,
     "stream_ingest": stream_ingest_case,
+    "sharding": sharding_case,
     **GPU_CASES,  # --suite gpu's
 }
 
