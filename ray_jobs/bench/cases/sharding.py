@@ -38,17 +38,16 @@ def sharding_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
     work = bench.suite.ddp
     num_workers = max(n for n in range(1, min(bench.suite.ddp_workers, max_workers()) + 1) if work.batch_size % n == 0)
     raw: dict[str, list[dict]] = {strategy: [] for strategy in STRATEGIES}
+    state: dict[str, list[dict[str, int]]] = {}  # per world rank; the same bytes in every repetition
     for rep in range(bench.suite.fit_repetitions):
         for strategy in STRATEGIES:  # interleaved: the machine's drift falls on both sides
             bench.measure(
                 raw[strategy],
                 f"raypar {strategy} {num_workers} workers, AdamW",
                 rep,
-                lambda strategy=strategy: _fit(bench, strategy, num_workers),
+                lambda strategy=strategy: _fit(bench, strategy, num_workers, state),
             )
     figures = {strategy: summarise(runs) for strategy, runs in raw.items()}
-    # the most any worker holds: the bytes are the same in every repetition
-    state = {strategy: raw[strategy][-1]["worker_model_state_bytes"] for strategy in STRATEGIES}
     most = {strategy: max(worker["total"] for worker in state[strategy]) for strategy in STRATEGIES}
     bench.log("[bench] activation memory: the GPT with and without --activation-checkpointing")
     return {
@@ -64,7 +63,7 @@ def sharding_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _fit(bench: Bench, strategy: str, num_workers: int) -> dict[str, Any]:
+def _fit(bench: Bench, strategy: str, num_workers: int, state: dict[str, list[dict[str, int]]]) -> dict[str, Any]:
     from ray_jobs import ddp
     from ray_jobs.data_parallel import fsdp
 
@@ -75,10 +74,10 @@ def _fit(bench: Bench, strategy: str, num_workers: int) -> dict[str, Any]:
     else:
         summary = ddp.run(prepared, WorkerScaling(num_workers=num_workers))
     bench.clean(prepared.run_dir)
+    state[strategy] = summary.extra["worker_model_state_bytes"]
     return {
         "samples_per_second": steady(summary.extra["epoch_seconds"], bench.suite.ddp.samples_per_epoch),
         "peak_rss_bytes": max(summary.extra["worker_peak_rss_bytes"]),
-        "worker_model_state_bytes": summary.extra["worker_model_state_bytes"],
     }
 
 
