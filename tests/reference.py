@@ -39,7 +39,8 @@ def reference_train(
     **model_options,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     torch.manual_seed(seed)
-    net = build_model(model, features.shape[1], out_features, **model_options)
+    lm = targets.dtype == torch.int64 and targets.dim() == 2  # a language model: V token ids in, V out
+    net = build_model(model, out_features if lm else features.shape[1], out_features, **model_options)
     if init_state is not None:
         net.load_state_dict(init_state)
     if optimizer == "sgd":
@@ -50,7 +51,11 @@ def reference_train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_at(s, epochs * steps_per_epoch, lr, lr_schedule, warmup_steps, min_lr) / lr
     )
-    loss_fn = nn.CrossEntropyLoss() if targets.dtype == torch.int64 else nn.MSELoss()
+    criterion = nn.CrossEntropyLoss() if targets.dtype == torch.int64 else nn.MSELoss()
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # lm: the mean over every token
+        return criterion(out.flatten(0, 1), y.flatten()) if lm else criterion(out, y)
+
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
     n = len(features)

@@ -163,3 +163,34 @@ def test_activation_checkpointing_trains_the_reference_weights(ray_cluster, tmp_
     expected_weights, expected_losses = reference_for(cfg)
     assert_same_weights(load_weights(summary.run_dir), expected_weights)
     assert summary.losses == pytest.approx(expected_losses, rel=1e-5)
+
+
+def test_fsdp_trains_the_gpt_language_model_with_checkpointed_blocks(ray_cluster, tmp_path):
+    """The GPT's blocks each an FSDP group (embed and head too), every block recomputed in
+    backward, 2 workers: the single-process reference's weights. SGD: AdamW's normalisation
+    would amplify the float-order noise of a transformer's reductions past the tolerance."""
+    import pyarrow as pa
+
+    from ray_jobs.data.parquet import write_table
+
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(16, (96, 9), generator=generator).tolist()  # 8 input and 8 target tokens a row
+    data = str(tmp_path / "tokens.parquet")
+    write_table(pa.table({"tokens": pa.array(tokens, type=pa.list_(pa.int64()))}), data)
+    cfg = TrainConfig(
+        model="gpt",
+        model_option=["n_layer=2", "n_head=2", "n_embd=16", "block_size=8"],
+        data=data,
+        epochs=2,
+        seed=4,
+        batch_size=16,
+        lr=0.1,
+        momentum=0.9,
+        activation_checkpointing=True,
+        storage_path=str(tmp_path),
+        name="run",
+    )
+    summary = run_strategy("fsdp", cfg, 2)
+    expected_weights, expected_losses = reference_for(cfg)
+    assert_same_weights(load_weights(summary.run_dir), expected_weights)
+    assert summary.losses == pytest.approx(expected_losses, rel=1e-5)

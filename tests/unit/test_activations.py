@@ -64,3 +64,17 @@ def test_fsdp_shards_each_child_alone_unless_it_shares_a_parameter():
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Sequential(head, nn.Tanh()), nn.Linear(8, 8), nn.Linear(8, 3))
     model[3].weight = head.weight  # tied by identity, under another name and one level down
     assert shard_units(model) == ["0", "4"]
+
+
+def test_model_state_bytes_counts_parameters_gradients_and_optimizer_state_once_each():
+    from ray_jobs.observability.model_memory import model_state_bytes
+
+    first = nn.Linear(4, 4, bias=False)
+    model = nn.Sequential(first, nn.Linear(4, 4, bias=False))
+    model[1].weight = first.weight  # tied: one storage
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    assert model_state_bytes(model, optimizer) == {"parameters": 64, "gradients": 0, "optimizer": 0, "total": 64}
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    # AdamW: two moments of 16 floats, and its step count (a 0-d float32 tensor)
+    assert model_state_bytes(model, optimizer) == {"parameters": 64, "gradients": 64, "optimizer": 132, "total": 260}
