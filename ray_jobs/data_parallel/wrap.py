@@ -14,7 +14,7 @@ import ray.train.torch
 import torch
 from torch import nn
 
-from ray_jobs.core.checkpoint import TrainState, load_named_optimizer_state, named_optimizer_state
+from ray_jobs.core.checkpoint import TrainState, load_named_optimizer_state, named_optimizer_state, require_whole
 from ray_jobs.core.evaluation import chunk_sums, my_chunks
 from ray_jobs.core.step import autocast
 
@@ -52,6 +52,7 @@ class Replicas:
 
     def restore(self, directory, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> None:
         """Load a checkpoint's weights and optimizer state (``directory``: where it lies)."""
+        require_whole(state)
         model.load_state_dict(state.model)
         load_named_optimizer_state(optimizer, dict(model.named_parameters()), state.optimizer)
 
