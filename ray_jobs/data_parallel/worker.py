@@ -1,4 +1,4 @@
-"""The training loop every Ray Train worker runs, for DDP and DataParallel alike.
+"""The training loop every Ray Train worker runs, for DDP, FSDP and DataParallel alike.
 
 The strategy enters only through ``LoopConfig.wrap`` (how the model is wrapped, and how its
 full state is read and restored: ``wrap.Replicas``, ``sharding.Shards``) and through which slice

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import ray.train.torch
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ray_jobs.core.checkpoint import TrainState, load_named_optimizer_state, named_optimizer_state, require_whole
@@ -39,11 +40,17 @@ class Replicas:
         return contextlib.nullcontext
 
     def weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The full ``state_dict`` on the CPU (every rank calls it; world rank 0's is written)."""
+        """The full ``state_dict`` on the CPU, on world rank 0 (every rank calls it; the others
+        get ``{}`` and copy nothing off their GPU)."""
+        if not _world_rank_0():
+            return {}
         return {key: value.detach().cpu() for key, value in model.state_dict().items()}
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, final: bool) -> tuple[dict, dict]:
-        """The weights and name-keyed optimizer state for ``checkpoint.pt`` (every rank calls it)."""
+        """The weights and name-keyed optimizer state for ``checkpoint.pt``, on world rank 0
+        (every rank calls it)."""
+        if not _world_rank_0():
+            return {}, {}
         return self.weights(model), named_optimizer_state(optimizer, dict(model.named_parameters()))
 
     def write_shards(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
@@ -59,6 +66,10 @@ class Replicas:
     def chunk_sums(self, model: nn.Module, val, world_rank: int, world_size: int, device: torch.device) -> dict:
         """--val-data: this rank's chunks' sums (``evaluation.chunk_sums``)."""
         return chunk_sums(model, val, my_chunks(val, world_rank, world_size), device)
+
+
+def _world_rank_0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def wrap_ddp(
