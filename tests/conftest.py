@@ -17,7 +17,7 @@ import pytest
 
 from ray_jobs.core.config import TrainConfig
 from ray_jobs.data.parquet import synthesize, write_table
-from tests.helpers import write_parts
+from tests.helpers import write_parts, write_tokens
 
 # Credentials for the S3 tests' moto server, set before the shared Ray cluster starts so its
 # workers inherit them (moto accepts any). Where a bucket is comes from the test, never from here.
@@ -62,6 +62,12 @@ def classification_data(tmp_path_factory) -> str:
     return _write(
         tmp_path_factory, "classification", rows=96, in_features=6, out_features=4, task="classification", seed=2
     )
+
+
+@pytest.fixture(scope="session")
+def tokens(tmp_path_factory) -> str:
+    """A language model's data: 48 rows of 8 + 1 byte tokens of real text."""
+    return write_tokens(str(tmp_path_factory.mktemp("lm") / "train.parquet"), rows=48, block_size=8)
 
 
 @pytest.fixture(scope="session")

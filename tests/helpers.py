@@ -10,8 +10,11 @@ import os
 import socket
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from torch import nn
@@ -22,7 +25,7 @@ from ray_jobs import ddp, dp
 from ray_jobs.core.config import TrainConfig, WorkerScaling
 from ray_jobs.data import storage
 from ray_jobs.data.order import stream_epoch_order
-from ray_jobs.data.parquet import read_dataset, synthesize, write_table
+from ray_jobs.data.parquet import TOKENS_COLUMN, VOCAB_SIZE_KEY, read_dataset, synthesize, write_table
 from ray_jobs.data_parallel import fsdp
 from ray_jobs.driver.prepare import prepare
 from ray_jobs.driver.summary import TrainSummary
@@ -59,6 +62,8 @@ def reference_for(cfg: TrainConfig, init_state: dict | None = None, norms: list[
     (``--ingest stream``) visits rows in order contract v2's order."""
     features, targets, out_features = tensors(cfg.data)
     options = {k: v for k, v in cfg.model_options.items() if v is not None}
+    if cfg.model == "gpt" and targets.dim() == 2:  # raypar's gpt takes the data's context length by default
+        options.setdefault("block_size", targets.shape[1])
     keys = (
         "model",
         "epochs",
@@ -92,6 +97,42 @@ def reference_for(cfg: TrainConfig, init_state: dict | None = None, norms: list[
         **{k: getattr(cfg, k) for k in keys},
         **options,
     )
+
+
+def write_tokens(path: str, rows: int, block_size: int, vocab_size: int = 257, row_group_rows: int = 16384) -> str:
+    """A language model's data as tokenize writes it: byte tokens of real text (a standard library
+    source), ``rows`` rows of ``block_size + 1`` consecutive tokens, ``raypar.vocab_size`` stated."""
+    text = Path(sysconfig.get_paths()["stdlib"], "textwrap.py").read_bytes()
+    stream = np.frombuffer(text, dtype=np.uint8).astype(np.int32) % vocab_size
+    tokens = [stream[i * block_size : i * block_size + block_size + 1] for i in range(rows)]
+    table = pa.table(
+        {TOKENS_COLUMN: pa.array(tokens, type=pa.list_(pa.int32()))},
+        metadata={VOCAB_SIZE_KEY: str(vocab_size).encode()},
+    )
+    write_table(table, path, row_group_rows)
+    return path
+
+
+GPT = ["n_layer=2", "n_head=2", "n_embd=16"]
+
+
+def lm_config(data: str, tmp_path, **changes) -> TrainConfig:
+    """A few steps of the tiny gpt with a schedule, warmup and a clip; SGD (see tests/ray/test_lm.py)."""
+    settings = dict(
+        data=data,
+        model="gpt",
+        model_option=GPT,
+        epochs=1,
+        batch_size=8,
+        lr=0.5,
+        seed=4,
+        lr_schedule="cosine",
+        warmup_steps=2,
+        grad_clip_norm=1.0,
+        storage_path=str(tmp_path),
+        name="run",
+    )
+    return TrainConfig(**{**settings, **changes})
 
 
 # A streamed dataset's files: uneven row groups, 40 rows in groups of 7, 56 in 16, 24 in 5.

@@ -39,8 +39,9 @@ def reference_train(
     **model_options,
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     torch.manual_seed(seed)
-    lm = targets.dtype == torch.int64 and targets.dim() == 2  # a language model: V token ids in, V out
-    net = build_model(model, out_features if lm else features.shape[1], out_features, **model_options)
+    # A language model's rows are token ids (B, T) predicting the next ids (B, T): V in, V out.
+    language_model = targets.dim() == 2 and targets.dtype == torch.int64
+    net = build_model(model, out_features if language_model else features.shape[1], out_features, **model_options)
     if init_state is not None:
         net.load_state_dict(init_state)
     if optimizer == "sgd":
@@ -51,11 +52,15 @@ def reference_train(
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_at(s, epochs * steps_per_epoch, lr, lr_schedule, warmup_steps, min_lr) / lr
     )
-    criterion = nn.CrossEntropyLoss() if targets.dtype == torch.int64 else nn.MSELoss()
+    if language_model:
 
-    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # lm: the mean over every token
-        return criterion(out.flatten(0, 1), y.flatten()) if lm else criterion(out, y)
+        def loss_fn(output, target):  # the mean over every token of the batch; a tuple's or .logits' first
+            logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+            logits = output[0] if logits is None else logits
+            return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
+    else:
+        loss_fn = nn.CrossEntropyLoss() if targets.dtype == torch.int64 else nn.MSELoss()
     autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
     n = len(features)

@@ -10,7 +10,8 @@ comparison is a ratio of figures measured in the same bench run, the runs of bot
 interleaved.
 
 Cases: DDP overhead (raypar vs torch.multiprocessing + gloo), DDP scaling, the actor pipeline
-(schedules, micro-batches, transports, bubble, transfer cost), DataParallel vs DDP, data ingest.
+(schedules, micro-batches, transports, bubble, transfer cost), DataParallel vs DDP, data ingest,
+pipeline stage memory, streaming ingest, and gradient accumulation (``--grad-accum-steps`` 4 vs 1).
 ``--suite gpu`` (CUDA only; one ``error:`` line without it): DDP over 1..N GPUs vs the plain loop
 and plain nccl DDP, DataParallel vs DDP, fp32 vs bf16, the pipeline over GPUs (``cases/gpu.py``).
 """

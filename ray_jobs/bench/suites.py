@@ -94,6 +94,9 @@ class Suite:
     memory_stages: tuple[int, ...]
     stream: Workload
     """The streaming case's model and its large dataset (``rows``; the small one has 1/16)."""
+    accum: Workload
+    """The accumulation case's model: wide layers and a large global batch, so that what a worker
+    holds for backward (activations) outweighs its weights; its global batch divides by 4 per worker."""
     gpt: GPTShape = GPTShape(n_layer=6, n_head=4, n_embd=256, block_size=256, vocab_size=512, batch_size=8)
     """The sharding case's GPT: activation memory with and without --activation-checkpointing."""
 
@@ -126,6 +129,9 @@ SUITES: dict[str, Suite] = {
         memory_stages=(1, 2, 4),
         # 3.8M rows of 64 + 4 floats: 1.0 GiB of Parquet (random floats barely compress).
         stream=Workload("mlp", 64, 2, rows=3_800_000, in_features=64, out_features=4, batch_size=1024, epochs=1),
+        # 8,192 rows per worker and step through 1,024-wide layers: 99 MiB of activations saved for
+        # backward at K=1 (25 MiB at K=4) against 8 MiB of weights, so the saving shows in peak RSS.
+        accum=Workload("mlp", 1024, 4, rows=65536, in_features=64, out_features=16, batch_size=16384, epochs=4),
     ),
     "full": Suite(
         name="full",
@@ -148,6 +154,7 @@ SUITES: dict[str, Suite] = {
         memory=Workload("mlp", 4096, 8, rows=512, in_features=1024, out_features=1024, batch_size=64, epochs=1),
         memory_stages=(1, 2, 4, 8),
         stream=Workload("mlp", 256, 2, rows=3_800_000, in_features=64, out_features=4, batch_size=1024, epochs=2),
+        accum=Workload("mlp", 2048, 4, rows=131072, in_features=64, out_features=16, batch_size=32768, epochs=5),
     ),
     "gpu": Suite(
         name="gpu",
@@ -175,6 +182,7 @@ SUITES: dict[str, Suite] = {
         memory=Workload("mlp", 64, 4, rows=128, in_features=64, out_features=64, batch_size=32, epochs=1),
         memory_stages=(1,),
         stream=Workload("mlp", 16, 2, rows=32768, in_features=8, out_features=2, batch_size=256, epochs=1),
+        accum=Workload("mlp", 64, 2, rows=1024, in_features=8, out_features=2, batch_size=256, epochs=1),
     ),
     "smoke": Suite(
         name="smoke",
@@ -197,6 +205,7 @@ SUITES: dict[str, Suite] = {
         memory=Workload("mlp", 64, 4, rows=128, in_features=64, out_features=64, batch_size=32, epochs=1),
         memory_stages=(1, 2),
         stream=Workload("mlp", 16, 2, rows=32768, in_features=8, out_features=2, batch_size=256, epochs=1),
+        accum=Workload("mlp", 32, 3, rows=512, in_features=8, out_features=4, batch_size=64, epochs=2),
         gpt=GPTShape(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, batch_size=4),
     ),
 }

@@ -30,14 +30,16 @@ def checkpoint_activations(model: nn.Module) -> list[str]:
     return names
 
 
-class SavedTensorBytes:
+class HeldForBackward:
     """The bytes autograd holds for backward when a forward ends, counted by storage as tensors are
     saved (``saved_tensors_hooks``), each storage once. Parameters are left out (they are held
     anyway). Inside a checkpointed child torch's own hooks take the saved tensors, so what such a
     child keeps is its input, kept for the recompute: every top-level child's tensor input is
     counted too (without checkpointing its first op saves that input anyway, so the count is the
     same). The recompute of one child in backward holds that child's activations again for a
-    while; this reading does not include them."""
+    while; this reading does not include them. ``observability.saved_tensors`` (the accumulation
+    bench's live count) sees neither what a checkpointed child saves nor the input it keeps, so
+    it cannot compare a checkpointed model with a plain one."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model

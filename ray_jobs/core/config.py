@@ -185,6 +185,14 @@ class TrainConfig:
             "training",
         ),
     )
+    peak_tflops: float | None = field(
+        default=None,
+        metadata=flag_doc(
+            "one GPU's peak TFLOPS at --precision, for a language model's MFU in the summary",
+            "training",
+            "the known GPUs' data-sheet figures; none on CPU",
+        ),
+    )
     # checkpoints
     checkpoint_every: int = field(
         default=1, metadata=flag_doc("checkpoint every N epochs (and always at the end)", "checkpoints")
@@ -250,6 +258,7 @@ class TrainConfig:
         require_choice(self.task, TASKS, "task")
         require_choice(self.ingest, INGESTS, "ingest")
         require_choice(self.precision, PRECISIONS, "precision")
+        require(self.peak_tflops is None or self.peak_tflops > 0, "peak_tflops", self.peak_tflops, "positive")
         for flag in ("shuffle_window_rows", "memory_ingest_limit_mb"):
             require(getattr(self, flag) > 0, flag, getattr(self, flag), "positive")
         require(self.checkpoint_every_steps >= 0, "checkpoint_every_steps", self.checkpoint_every_steps, "zero or more")

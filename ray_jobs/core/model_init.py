@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models import build_model, not_reproducible_layers
+from models import build_model, is_user_model, not_reproducible_layers
 from models.lm import logits_of
 from ray_jobs.core.config import TrainConfig
 from ray_jobs.data.parquet import Dataset
@@ -78,6 +78,11 @@ def initial_model(cfg: TrainConfig, dataset: Dataset, factory: Callable[..., nn.
 def check_language_model(cfg: TrainConfig, model: nn.Module, dataset) -> None:
     """A language model must map token ids (B, T) to logits (B, T, V): tried on a 2-row batch of
     zeros before any worker starts, so a wrong model fails in a second with what came back."""
+    if not is_user_model(cfg.model) and cfg.model != "gpt":
+        raise ValueError(
+            f"--model {cfg.model} takes float features; the data is token ids (--task lm): use --model gpt, "
+            "or your own language model as module.path:callable"
+        )
     batch, length, vocab = 2, dataset.block_size, dataset.num_classes
     tokens = torch.zeros(batch, length, dtype=torch.int64)
     state = torch.random.get_rng_state()

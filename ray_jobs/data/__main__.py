@@ -1,7 +1,9 @@
 """Parquet training data: reading and validating it with pyarrow, and writing synthetic sets.
 
 ``python -m ray_jobs.data synth --out PATH ...`` writes a synthetic dataset; ``python -m
-ray_jobs.data reshard DATA --out PATH --row-group-rows R`` rewrites data with smaller row groups.
+ray_jobs.data reshard DATA --out PATH --row-group-rows R`` rewrites data with smaller row groups;
+``python -m ray_jobs.data tokenize --input PATH... --output DIR --block-size T`` turns text into
+language-model rows.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import sys
 import pyarrow as pa
 
 from ray_jobs.core.config import ArgumentParser
+from ray_jobs.data import tokenized
 from ray_jobs.data.parquet import ROW_GROUP_ROWS, TASKS, reshard, synthesize, write_table
 
 
@@ -34,8 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     resharder.add_argument("data", help="Parquet file or directory, local or URI")
     resharder.add_argument("--out", required=True, help="where to write it (a file for a file, else a directory)")
     resharder.add_argument("--row-group-rows", type=int, required=True, help="rows per row group")
+    add_tokenize(commands)
     args = parser.parse_args(argv)
     try:
+        if args.command == "tokenize":
+            return run_tokenize(args)
         if args.command == "reshard":
             rows = reshard(args.data, args.out, args.row_group_rows)
             print(f"wrote {rows} rows in row groups of at most {args.row_group_rows} to {args.out}")
@@ -46,6 +52,64 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"wrote {table.num_rows} rows ({args.task}, {args.in_features} -> {args.out_features}) to {args.out}")
+    return 0
+
+
+TOKENIZE_HELP = """Tokenize text into language-model rows: OUTPUT/train.parquet (and OUTPUT/val.parquet with
+--val-fraction) with one column `tokens` (list<int32>), and OUTPUT/tokenizer.json. Inputs are text
+files (UTF-8; a byte that is not is replaced by U+FFFD and counted), Parquet files with a text
+column, and JSON Lines files (.jsonl, .ndjson, .json; one object per line), any of them .gz;
+each text file, Parquet row or JSON line is one document, and documents are joined by the
+end-of-text token. Row i is tokens [i*T, i*T+T] of the stream, T+1 tokens: consecutive rows share
+one token, so input tokens[:-1] and target tokens[1:] make every token a target once; the tail
+that fills no row is dropped. --val-fraction f holds out that share of whole documents (of a
+document longer than 64 blocks, of its 64-block spans): every 1/f-th in input order, starting at a
+point drawn from --seed; deterministic. Input is streamed: read a piece and written a row group at a time."""
+
+
+def add_tokenize(commands) -> None:
+    tokenize = commands.add_parser("tokenize", help="tokenize text into language-model rows", description=TOKENIZE_HELP)
+    tokenize.add_argument(
+        "--input", nargs="+", required=True, metavar="PATH", help="files, directories (recursively) or globs"
+    )
+    tokenize.add_argument("--output", required=True, help="directory to write (local, or a URI)")
+    tokenize.add_argument("--block-size", type=int, required=True, help="T: a row holds T+1 tokens")
+    tokenize.add_argument("--tokenizer", default="byte", help="byte (default: 256 bytes and end-of-text) or bpe")
+    tokenize.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help=f"bpe: the vocabulary to train, at least 257 (default: {tokenized.BPE_VOCAB}); byte: 257",
+    )
+    tokenize.add_argument("--text-column", default="text", help="Parquet column or JSON field with the text")
+    tokenize.add_argument(
+        "--val-fraction", type=float, default=0.0, help="share of documents held out in val.parquet (default: none)"
+    )
+    tokenize.add_argument(
+        "--seed", type=int, default=0, help="where --val-fraction's every 1/f-th document starts (default: 0)"
+    )
+    tokenize.add_argument(
+        "--row-group-rows",
+        type=int,
+        default=None,
+        help=f"rows per Parquet row group (default: {ROW_GROUP_ROWS}, fewer when a group would pass "
+        f"{tokenized.ROW_GROUP_TOKENS:,} tokens)",
+    )
+
+
+def run_tokenize(args) -> int:
+    report = tokenized.tokenize(
+        args.input,
+        args.output,
+        args.block_size,
+        kind=args.tokenizer,
+        vocab_size=args.vocab_size,
+        text_column=args.text_column,
+        val_fraction=args.val_fraction,
+        seed=args.seed,
+        row_group_rows=args.row_group_rows,
+    )
+    print("\n".join(tokenized.report_lines(report, args.output, args.block_size)))
     return 0
 
 

@@ -22,6 +22,7 @@ NUM_CLASSES_KEY = b"raypar.num_classes"
 TOKENS_COLUMN = "tokens"
 VOCAB_SIZE_KEY = b"raypar.vocab_size"
 TOKENIZER_KEY = b"raypar.tokenizer"
+TOKENIZER_FILE = "tokenizer.json"  # the spec's file beside the data, and in an lm run's directory
 # Row groups are what a stream reads and shuffles (--ingest stream): written no larger than this.
 PARQUET_SUFFIX = ".parquet"  # what a directory of data is read for
 ROW_GROUP_ROWS = 16384
@@ -42,6 +43,8 @@ class Dataset:
     """Why ``task`` (and the class count) were chosen, for the run's first lines."""
     file_bytes: int = 0
     """Parquet bytes read from storage to load it."""
+    tokenizer: str | None = None
+    """lm: the tokenizer's JSON spec from the files' ``raypar.tokenizer`` metadata (None: not stated)."""
     ingest = "memory"
 
     @property
@@ -125,10 +128,8 @@ def table_to_dataset(
     """
     if table.num_rows == 0:
         raise ValueError("the dataset has no rows")
-    tokens_column = feature_column if feature_column != "features" else TOKENS_COLUMN
-    if task == "lm" or (
-        task == "auto" and feature_column not in table.column_names and _holds_token_lists(table, tokens_column)
-    ):
+    tokens_column = language_model_column(table.schema, feature_column, task)
+    if tokens_column is not None:
         return _language_model(table, tokens_column, task, num_classes)
     features = fixed_width(_column(table, feature_column, "--feature-column"), feature_column)
     target = _column(table, target_column, "--target-column")
@@ -207,10 +208,26 @@ def _classification(
     return Dataset(features, labels, "classification", classes, f"{why}; {classes} classes from {source}")
 
 
-def _holds_token_lists(table: pa.Table, name: str) -> bool:
-    if name not in table.column_names:
+def language_model_column(schema: pa.Schema, feature_column: str, task: str) -> str | None:
+    """The token column when the data is a language model's (``--task lm``, or ``auto`` on data
+    with a list<int> ``tokens`` column and no ``--feature-column``), else None. The token column is
+    ``tokens`` unless ``--feature-column`` names another."""
+    column = feature_column if feature_column != "features" else TOKENS_COLUMN
+    if task == "lm" or (task == "auto" and feature_column not in schema.names and _holds_token_lists(schema, column)):
+        return column
+    return None
+
+
+def data_columns(schema: pa.Schema, feature_column: str, target_column: str, task: str) -> list[str]:
+    """The columns training reads: the token column of a language model's data, else features and target."""
+    tokens = language_model_column(schema, feature_column, task)
+    return [tokens] if tokens is not None else [feature_column, target_column]
+
+
+def _holds_token_lists(schema: pa.Schema, name: str) -> bool:
+    if name not in schema.names:
         return False
-    kind = table.schema.field(name).type
+    kind = schema.field(name).type
     is_list = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
     return is_list and pa.types.is_integer(kind.value_type)
 
@@ -218,7 +235,7 @@ def _holds_token_lists(table: pa.Table, name: str) -> bool:
 def _language_model(table: pa.Table, name: str, task: str, vocab_size: int | None) -> Dataset:
     """Rows of T+1 token ids: input ``tokens[:-1]``, target ``tokens[1:]``; V from ``vocab_size``
     (``--vocab-size``), else the files' ``raypar.vocab_size``, else the largest id + 1."""
-    if not _holds_token_lists(table, name):
+    if not _holds_token_lists(table.schema, name):
         what = (
             f"column {name!r} holds {table.schema.field(name).type}"
             if name in table.column_names
@@ -256,7 +273,10 @@ def _language_model(table: pa.Table, name: str, task: str, vocab_size: int | Non
         )
     why = "--task lm" if task == "lm" else f"column {name!r} holds lists of token ids"
     reason = f"{why}; {width - 1} tokens per row, vocabulary {vocab} from {source}"
-    return Dataset(tokens[:, :-1], tokens[:, 1:], "lm", vocab, reason)
+    tokenizer = (table.schema.metadata or {}).get(TOKENIZER_KEY)
+    return Dataset(
+        tokens[:, :-1], tokens[:, 1:], "lm", vocab, reason, tokenizer=tokenizer.decode() if tokenizer else None
+    )
 
 
 def read_dataset(

@@ -107,6 +107,31 @@ def write(target: Target, writer: Callable[[object], None]) -> None:
         raise
 
 
+def write_many(targets: list[Target], writer: Callable[[list], None]) -> None:
+    """``write`` for several files written together (a dataset's splits and its tokenizer): each is
+    written under a temporary name, and only when ``writer(streams)`` returns are they moved into
+    place, one after another; a failure removes every temporary file and raises as ``write`` does,
+    naming the first target."""
+    resolved = [resolve(target) for target in targets]
+    partials = [(filesystem, path + ".partial") for filesystem, path in resolved]
+    try:
+        with contextlib.ExitStack() as stack:
+            streams = []
+            for filesystem, partial in partials:
+                filesystem.create_dir(partial.rsplit("/", 1)[0], recursive=True)
+                streams.append(stack.enter_context(filesystem.open_output_stream(partial)))
+            writer(streams)
+        for (filesystem, partial), (_, path) in zip(partials, resolved):
+            filesystem.move(partial, path)
+    except BaseException as error:  # the writer's own errors and an interrupt leave nothing either
+        for filesystem, partial in partials:
+            with contextlib.suppress(OSError):
+                filesystem.delete_file(partial)
+        if isinstance(error, OSError):
+            raise OSError(error.errno, _os_reason(error), _shown(targets[0])) from error
+        raise
+
+
 def _os_reason(error: OSError) -> str:
     """What the system said, without pyarrow's wrapping: ``No space left on device``."""
     if error.errno:

@@ -32,7 +32,7 @@ import torch
 
 from ray_jobs.data.device_copy import data_device
 from ray_jobs.data.order import epoch_order, stream_windows, window_permutation
-from ray_jobs.data.parquet import Dataset, parquet_files, stored_num_classes, table_to_dataset
+from ray_jobs.data.parquet import Dataset, data_columns, parquet_files, stored_num_classes, table_to_dataset
 from ray_jobs.data.storage import resolve
 from ray_jobs.errors import Failure
 
@@ -74,6 +74,8 @@ class StreamDataset:
     window_rows: int = 65536
     block_size: int | None = None
     """A language model's tokens per input row (T); None for other tasks."""
+    tokenizer: str | None = None
+    """lm: the tokenizer's JSON spec from the files' metadata."""
     ingest: str = field(default="stream", init=False)
 
     # Cached: a source asks for them on every batch, and a dataset may have many row groups.
@@ -136,23 +138,22 @@ def plan_stream(
     if not files:
         raise ValueError(f"--data {path}: no Parquet files")
     blocks, first_schema, total = [], None, 0
+    columns = data_columns(footers.metadata[0].schema.to_arrow_schema(), feature_column, target_column, task)
     for file, metadata in zip(files, footers.metadata):
         schema = metadata.schema.to_arrow_schema()
-        for column in (feature_column, target_column):
+        for column in columns:
             if column not in schema.names:
                 raise ValueError(f"--data {file}: column {column!r} is missing; it has {', '.join(schema.names)}")
-        mine = (schema.field(feature_column).type, schema.field(target_column).type)
+        mine = ", ".join(f"{column}: {schema.field(column).type}" for column in columns)
         if first_schema is None:
             first_schema = (file, mine)
         elif mine != first_schema[1]:
             raise ValueError(
-                f"--data: the files' schemas differ: {first_schema[0]} has {feature_column}: "
-                f"{first_schema[1][0]}, {target_column}: {first_schema[1][1]}; {file} has "
-                f"{feature_column}: {mine[0]}, {target_column}: {mine[1]}"
+                f"--data: the files' schemas differ: {first_schema[0]} has {first_schema[1]}; {file} has {mine}"
             )
         for index in range(metadata.num_row_groups):
             group = metadata.row_group(index)
-            statistics = _target_statistics(file, index, group, target_column)
+            statistics = _target_statistics(file, index, group, target_column) if target_column in columns else None
             blocks.append(
                 Block(
                     file,
@@ -192,6 +193,7 @@ def plan_stream(
         total,
         window_rows,
         sample.block_size,
+        sample.tokenizer,
     )
 
 
@@ -241,9 +243,9 @@ def decode_block(
 ) -> Dataset:
     """One row group, read, validated and decoded; a problem names its file and row group."""
     try:
-        table = pq.ParquetFile(block.file, filesystem=filesystem).read_row_group(
-            block.row_group, columns=[feature_column, target_column]
-        )
+        file = pq.ParquetFile(block.file, filesystem=filesystem)
+        columns = data_columns(file.schema_arrow, feature_column, target_column, task)
+        table = file.read_row_group(block.row_group, columns=columns)
         return table_to_dataset(table, feature_column, target_column, task, num_classes)
     except (ValueError, pa.ArrowInvalid) as error:
         raise ValueError(f"--data {block.file} row group {block.row_group}: {error}") from None

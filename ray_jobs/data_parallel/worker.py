@@ -55,6 +55,7 @@ from ray_jobs.errors import described
 from ray_jobs.observability.model_memory import model_state_bytes
 from ray_jobs.observability.process_stats import cpu_times, peak_rss_bytes, steal_fraction
 from ray_jobs.observability.tensorboard import TrainLog
+from ray_jobs.observability.throughput import throughput_text
 from ray_jobs.testing.faults import NO_FAULTS, Faults
 
 
@@ -225,10 +226,13 @@ class _Worker:
             # after the epoch's last step: its gradients and the optimizer state are all there
             worker_model_state_bytes=_gather(model_state_bytes(self.model, self.optimizer), self.world_size),
             grad_norm=norm_readings(self.grad_norms),
+            device_name=torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
         )
         if self.world_rank == 0:
             print(
-                f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {self.losses[-1]:.6f}{progress(validation)}", flush=True
+                f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {self.losses[-1]:.6f}{progress(validation)}"
+                f"{throughput_text(self.epoch_samples / seconds, self.dataset.block_size, self.world_size)}",
+                flush=True,
             )
         if self.log is not None:
             self.log.epoch(

@@ -11,14 +11,15 @@ import torch
 
 from ray_jobs.core.checkpoint import TrainState, latest_checkpoint, latest_progress
 from ray_jobs.core.config import TrainConfig
-from ray_jobs.core.evaluation import best_epoch
+from ray_jobs.core.evaluation import best_epoch, perplexity
 from ray_jobs.core.lr_schedule import lr_schedule
-from ray_jobs.core.model_init import model_options
+from ray_jobs.core.model_init import make_model, model_options
 from ray_jobs.data import storage
-from ray_jobs.data.parquet import Dataset
+from ray_jobs.data.parquet import TOKENIZER_FILE, Dataset
 from ray_jobs.data.stream import StreamDataset
 from ray_jobs.driver.prepare import PreparedRun
 from ray_jobs.driver.summary import TrainSummary
+from ray_jobs.observability.throughput import flops_per_token, lm_throughput, peak_tflops
 
 
 def model_record(cfg: TrainConfig, dataset: Dataset | StreamDataset) -> dict[str, Any]:
@@ -62,21 +63,44 @@ def finish(
         lr=lr_schedule(cfg, dataset.num_rows).readings(),
         grad_norm=metrics.get("grad_norm"),
         task=dataset.task,
+        block_size=dataset.block_size,
+        **language_model_throughput(prepared, metrics, world_size),
         **validation_summary(prepared, final),
         extra=extra or {},
     )
     storage.write(storage.join(prepared.run_dir, "model.pt"), lambda stream: torch.save(final.model, stream))
+    if dataset.tokenizer is not None:  # what generate decodes with, beside the model it trained
+        storage.write_bytes(storage.join(prepared.run_dir, TOKENIZER_FILE), dataset.tokenizer.encode())
     storage.write_bytes(storage.join(prepared.run_dir, "summary.json"), summary.to_json().encode())
     return summary
+
+
+def language_model_throughput(prepared: PreparedRun, metrics: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """lm: tokens/s (global and per worker), FLOPs per token and, on GPUs, MFU; else nothing."""
+    cfg, dataset = prepared.cfg, prepared.dataset
+    if dataset.task != "lm":
+        return {}
+    with torch.device("meta"):
+        model = make_model(cfg, dataset, prepared.model_factory)
+    flops = flops_per_token(model, model_record(cfg, dataset), dataset.block_size)
+    peak = (
+        peak_tflops(metrics.get("device_name"), cfg.precision, cfg.peak_tflops) if metrics.get("device_name") else None
+    )
+    return {
+        "flops_per_token": flops,
+        **lm_throughput(metrics.get("samples_per_second"), dataset.block_size, world_size, flops, peak),
+    }
 
 
 def validation_summary(prepared: PreparedRun, final: TrainState) -> dict[str, Any]:
     if prepared.val_dataset is None:
         return {}
     classification = prepared.val_dataset.task == "classification"
+    language_model = prepared.val_dataset.task == "lm"
     return {
         "val_losses": list(final.val_losses),
         "val_accuracy": list(final.val_accuracy) if classification else None,
+        "val_perplexity": [perplexity(loss) for loss in final.val_losses] if language_model else None,
         "best_epoch": best_epoch(final.val_losses),
     }
 

@@ -64,6 +64,7 @@ OPERATIONAL = (
     "max_failures",
     "resource_timeout",
     "activation_checkpointing",  # recomputes the same activations: the same weights
+    "peak_tflops",
 )
 
 

@@ -34,11 +34,23 @@ class TrainSummary:
     grad_norm: dict[str, float] | None = None
     """``--grad-clip-norm``: the largest and the last whole-model gradient norm before clipping (this attempt's)."""
     task: str | None = None
-    """``regression`` or ``classification``, as the data decided it (``predict`` needs it)."""
+    """``regression``, ``classification`` or ``lm``, as the data decided it (``predict`` needs it)."""
+    block_size: int | None = None
+    """lm: the tokens per input row T, the context the model was trained on (``generate`` crops to it)."""
+    tokens_per_second: float | None = None
+    """lm: training tokens per second, all workers (stages) together."""
+    tokens_per_second_per_worker: float | None = None
+    """lm: ``tokens_per_second`` over the workers (a pipeline's: over its stages)."""
+    mfu: float | None = None
+    """lm on GPUs: model FLOPs utilisation, ``tokens_per_second x flops_per_token`` over the GPUs' peak."""
+    flops_per_token: float | None = None
+    """lm: training FLOPs per token as MFU counts them (``observability.throughput``)."""
     val_losses: list[float] | None = None
     """``--val-data``: the validation loss after each epoch (None without it)."""
     val_accuracy: list[float] | None = None
     """``--val-data``: the validation accuracy after each epoch (None for regression)."""
+    val_perplexity: list[float] | None = None
+    """``--val-data``, lm: exp of each epoch's validation loss (the mean token cross-entropy)."""
     best_epoch: int | None = None
     """``--val-data``: the 1-based epoch with the lowest validation loss, whose weights are best_model.pt."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -64,7 +76,15 @@ class TrainSummary:
             return []
         best = self.best_epoch
         accuracy = f", accuracy {self.val_accuracy[best - 1]:.4f}" if self.val_accuracy else ""
+        if self.val_perplexity:
+            accuracy = f", perplexity {self.val_perplexity[best - 1]:.3f}"
         return [("best validation", f"epoch {best}: loss {self.val_losses[best - 1]:.6f}{accuracy}")]
+
+    def _token_rows(self) -> list[tuple[str, str]]:
+        if self.tokens_per_second is None:
+            return []
+        rows = [("tokens/s", f"{self.tokens_per_second:,.0f} ({self.tokens_per_second_per_worker:,.0f} per worker)")]
+        return rows + ([("MFU", f"{self.mfu:.1%}")] if self.mfu is not None else [])
 
     def table(self) -> str:
         """A short human-readable result table."""
@@ -75,6 +95,7 @@ class TrainSummary:
             ("first / last loss", f"{self.losses[0]:.6f} / {self.losses[-1]:.6f}" if self.losses else "-"),
             *self._validation_rows(),
             ("samples/s", f"{self.samples_per_second:,.0f}" if self.samples_per_second else "-"),
+            *self._token_rows(),
             ("precision", self.precision),
             ("resumed from epoch", self._resumed()),
             (

@@ -69,6 +69,8 @@ class TrainLog:
             self._scalar("val/loss", validation.loss, x)
             if validation.accuracy is not None:
                 self._scalar("val/accuracy", validation.accuracy, x)
+            if validation.perplexity is not None:
+                self._scalar("val/perplexity", validation.perplexity, x)
         if samples_per_second is not None:
             self._scalar("perf/samples_per_second", samples_per_second, x)
         self._scalar("lr", lr, x)

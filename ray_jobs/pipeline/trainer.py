@@ -43,6 +43,7 @@ from ray_jobs.driver.resources import Request, wait_for_bundles
 from ray_jobs.driver.summary import TrainSummary
 from ray_jobs.errors import TrainingFailed, root_cause
 from ray_jobs.observability.tensorboard import TrainLog
+from ray_jobs.observability.throughput import throughput_text
 from ray_jobs.pipeline.scaling import PipelineScaling
 from ray_jobs.pipeline.stage_group import StageGroup, StartFailed
 from ray_jobs.pipeline.timing import PipelineTiming
@@ -135,7 +136,11 @@ def _epoch(
     state.losses.append(sum(losses) / len(batches))
     state.epochs_completed, state.step, state.step_losses = epoch + 1, 0, []
     validation = _validate(stages, prepared, state)
-    print(f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {state.losses[-1]:.6f}{progress(validation)}", flush=True)
+    throughput = throughput_text(new * cfg.batch_size / seconds, prepared.dataset.block_size, scaling.num_stages)
+    print(
+        f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {state.losses[-1]:.6f}{progress(validation)}{throughput}",
+        flush=True,
+    )
     step_lrs = lr_schedule(cfg, prepared.dataset.num_rows).epoch(epoch)
     attempt.log.epoch(
         epoch, losses, state.losses[-1], validation, new * cfg.batch_size / seconds, step_lrs[-1], step_lrs, norms

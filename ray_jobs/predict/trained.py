@@ -115,6 +115,11 @@ def run_task(summary: dict[str, Any], run_dir: str) -> str:
     """The run's task; summaries before ``task`` was recorded have it in their config."""
     config = summary.get("config") if isinstance(summary.get("config"), dict) else {}
     task = summary.get("task") or ("classification" if config.get("task") == "classification" else "regression")
+    if task == "lm":
+        raise ValueError(
+            f"--run-dir {run_dir} is a language model's run: predict maps feature rows to targets; sample text "
+            f"from it with python -m ray_jobs.generate {run_dir} --prompt TEXT"
+        )
     if task not in TASKS:
         raise ValueError(f"--run-dir {run_dir} summary.json: task must be one of {', '.join(TASKS)}, got {_kind(task)}")
     return task

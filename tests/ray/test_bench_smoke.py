@@ -74,3 +74,9 @@ def test_the_smoke_suite_runs_every_case_end_to_end(ray_cluster, tmp_path):
         worker["optimizer"] > 0 for side in sharding["model_state_bytes"].values() for worker in side
     )  # AdamW's moments counted
     assert sharding["activations"]["checkpointed"]["saved_bytes"] < sharding["activations"]["plain"]["saved_bytes"]
+    accum = results["accumulation"]
+    assert [run["grad_accum_steps"] for run in accum["runs"]] == [1, 4]
+    k1, k4 = accum["runs"]
+    for run in (k1, k4):
+        assert run["samples_per_second"]["median"] > 0 and run["peak_rss_bytes"]["median"] > 10 * 2**20
+    assert k4["saved_activation_peak_bytes"] * 4 == k1["saved_activation_peak_bytes"]  # one micro-step at a time

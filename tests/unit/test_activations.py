@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from models import build_model
-from ray_jobs.core.activations import SavedTensorBytes, checkpoint_activations
+from ray_jobs.core.activations import HeldForBackward, checkpoint_activations
 from ray_jobs.data_parallel.sharding import shard_units
 
 
@@ -47,7 +47,7 @@ def test_a_checkpointed_gpt_like_stack_holds_less_for_backward():
     x = torch.randn(128, width)
     held = {}
     for name, model in (("plain", plain), ("checkpointed", checkpointed)):
-        counter = SavedTensorBytes(model)
+        counter = HeldForBackward(model)
         with counter.counting():
             out = model(x)
         held[name] = counter.bytes

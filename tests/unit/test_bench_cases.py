@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ray_jobs.bench.cases.accumulation import ACCUM_STEPS, step_saved_bytes
 from ray_jobs.bench.cases.data_parallel import worker_counts
 from ray_jobs.bench.cases.pipeline import same_ops_as
 from ray_jobs.bench.suites import SUITES
@@ -25,3 +26,10 @@ def test_suites_keep_the_global_batch_divisible():
         assert suite.ddp.batch_size % suite.ddp_workers == 0, suite.name
         assert all(suite.pipeline.batch_size % m == 0 for m in suite.microbatches), suite.name
         assert suite.target_microbatches in suite.microbatches, suite.name
+        assert suite.accum.batch_size % (suite.ddp_workers * max(ACCUM_STEPS)) == 0, suite.name
+
+
+def test_the_accumulation_case_holds_a_quarter_of_the_activations_at_k4():
+    work = SUITES["quick"].accum  # 8,192 rows per worker: 64 in, 1,024 x 3 hidden (ReLU outputs), 16 out
+    per_row = (64 + 3 * 1024 + 16 + 16) * 4  # each Linear's input, the loss's input and target, float32
+    assert [step_saved_bytes(work, 2, k) for k in (1, 4)] == [8192 * per_row, 2048 * per_row]

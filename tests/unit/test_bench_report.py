@@ -74,6 +74,34 @@ def test_render_names_the_run_the_hypervisor_slowed_most():
     assert "steal) during the measured runs: median 2.0%, most 8.5% (b, run 1)." in render(results)
 
 
+def test_render_puts_accumulation_k4_beside_k1():
+    work = {"model": "mlp", "hidden": 8, "depth": 2, "in_features": 4, "out_features": 2, "rows": 64}
+    runs = [
+        {
+            "grad_accum_steps": k,
+            "samples_per_second": stats([sps]),
+            "peak_rss_bytes": stats([rss * 2**20]),
+            "saved_activation_peak_bytes": saved * 2**20,
+        }
+        for k, sps, rss, saved in ((1, 1000, 600, 100), (4, 900, 540, 25))
+    ]
+    accumulation = {
+        "workload": {**work, "batch_size": 16, "epochs": 2},
+        "num_workers": 2,
+        "rows_per_worker": 8,
+        "runs": runs,
+        "samples_per_second_ratio": ratio(runs[1]["samples_per_second"], runs[0]["samples_per_second"]),
+        "peak_rss_ratio": ratio(runs[1]["peak_rss_bytes"], runs[0]["peak_rss_bytes"]),
+    }
+    results = {"suite": "quick", "seconds": 1.0, "plots": "none", "accumulation": accumulation, "targets": []}
+    results["machine"] = {"cpu_count": 2, "torch": "t", "ray": "r", "python": "p", "platform": "x"}
+    text = render(results)
+    assert "## 8. Gradient accumulation: K=4 against K=1 at one global batch" in text
+    assert re.search(r"\| steady samples/s \(epoch loops only\) +\| +1,000 \| +900 \| +0.90 \|", text)
+    assert re.search(r"\| peak RSS per worker \(the largest\), MiB +\| +600 \| +540 \| +0.90 \|", text)
+    assert re.search(r"\| activations held for backward, .* MiB +\| +100.0 \| +25.0 \| +0.25 \|", text)
+
+
 def test_fmt_shows_median_then_range_and_collapses_a_flat_range():
     assert fmt(stats([1000, 1200, 1100])) == "1,100 (1,000–1,200)"
     assert fmt(stats([0.5]), ".2f") == "0.50"

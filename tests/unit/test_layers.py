@@ -32,6 +32,7 @@ ENTRY_POINTS = {
     "ray_jobs.ddp",
     "ray_jobs.dp",
     "ray_jobs.fsdp",
+    "ray_jobs.generate",
 }  # plus every __main__ and the bench, a harness of entry points
 # What runs inside a Ray Train worker, a stage actor or the stream's reader actor.
 WORKER_SIDE = [

@@ -176,3 +176,10 @@ def test_a_failed_write_leaves_no_partial_file(tmp_path):
     with pytest.raises(OSError, match="went away"):
         write_parquet(out, batches(), schema)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_language_models_run_is_sent_to_generate():
+    from ray_jobs.predict.trained import run_task
+
+    with pytest.raises(ValueError, match=r"language model's run: .* python -m ray_jobs.generate runs/lm --prompt TEXT"):
+        run_task({"task": "lm"}, "runs/lm")

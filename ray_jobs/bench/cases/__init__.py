@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ray_jobs.bench.cases.accumulation import accumulation_case
 from ray_jobs.bench.cases.common import Bench
 from ray_jobs.bench.cases.data_parallel import data_parallel_cases
 from ray_jobs.bench.cases.gpu import GPU_CASES
@@ -24,6 +25,7 @@ CASES: dict[str, Callable[[Bench, dict[str, Any]], dict[str, Any]]] = {
     "ingest": ingest_case,  # after data_parallel: it compares with the DDP job's consumption
     "stage_memory": stage_memory_case,
     "stream_ingest": stream_ingest_case,
+    "accumulation": accumulation_case,
     "sharding": sharding_case,
     **GPU_CASES,  # --suite gpu's
 }

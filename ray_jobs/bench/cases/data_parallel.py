@@ -10,6 +10,7 @@ from typing import Any
 
 from ray_jobs.bench.cases.common import Bench
 from ray_jobs.bench.stats import quiet, quiet_ratio, ratio, steady, summarise
+from ray_jobs.bench.suites import Workload
 from ray_jobs.core.config import WorkerScaling
 from ray_jobs.driver.prepare import prepare
 
@@ -21,13 +22,22 @@ def raypar_data_parallel(
     epochs: int | None = None,
     use_gpu: bool = False,
     precision: str = "fp32",
+    *,
+    work: Workload | None = None,
+    data: str | None = None,
+    grad_accum_steps: int = 1,
 ) -> dict[str, Any]:
-    """One DDP (or DataParallel, on ``num_workers`` CPUs, or GPUs with ``use_gpu``) fit; start-up
-    is wall minus loop time. With ``use_gpu``, also the per-epoch losses."""
+    """One DDP (or DataParallel, on ``num_workers`` CPUs, or GPUs with ``use_gpu``) fit of ``work``
+    on ``data`` (by default the suite's DDP workload and data); start-up is wall minus loop time.
+    With ``use_gpu``, also the per-epoch losses."""
     from ray_jobs import ddp, dp
 
-    cfg = bench.config(bench.suite.ddp, bench.ddp_data, f"{strategy}{num_workers}{'-gpu' if use_gpu else ''}")
-    cfg = dataclasses.replace(cfg, precision=precision)
+    work, data = work or bench.suite.ddp, data or bench.ddp_data
+    label = (
+        f"{strategy}{num_workers}{'-gpu' if use_gpu else ''}{f'-k{grad_accum_steps}' if grad_accum_steps > 1 else ''}"
+    )
+    cfg = bench.config(work, data, label)
+    cfg = dataclasses.replace(cfg, precision=precision, grad_accum_steps=grad_accum_steps)
     if epochs is not None:
         cfg = dataclasses.replace(cfg, epochs=epochs, checkpoint_every=epochs)
     prepared = prepare(cfg, strategy)
@@ -39,7 +49,7 @@ def raypar_data_parallel(
     else:
         summary = dp.run(prepared, dp.DataParallelScaling(cpus_per_worker=float(num_workers)))
     wall = time.perf_counter() - began
-    epochs, samples_per_epoch = summary.extra["epoch_seconds"], bench.suite.ddp.samples_per_epoch
+    epochs, samples_per_epoch = summary.extra["epoch_seconds"], work.samples_per_epoch
     bench.clean(prepared.run_dir)
     return {
         "samples_per_second": steady(epochs, samples_per_epoch),

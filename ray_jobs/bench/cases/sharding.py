@@ -6,7 +6,7 @@ Model-state bytes are counted inside each worker after its last step, from the t
 (``observability.model_memory``: an FSDP parameter's local shard, its gradient and optimizer
 state; each storage once), not from RSS; DDP's gradient buckets are not counted. Activation bytes
 are what autograd holds for backward when the GPT's forward ends (``core.activations.
-SavedTensorBytes``, saved-tensor hooks), measured in the bench's own process, no Ray.
+HeldForBackward``, saved-tensor hooks), measured in the bench's own process, no Ray.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ray_jobs.bench.cases.common import Bench
 from ray_jobs.bench.cases.data_parallel import max_workers
 from ray_jobs.bench.stats import ratio, stats, steady, summarise
 from ray_jobs.bench.suites import GPTShape
-from ray_jobs.core.activations import SavedTensorBytes, checkpoint_activations
+from ray_jobs.core.activations import HeldForBackward, checkpoint_activations
 from ray_jobs.core.config import WorkerScaling
 from ray_jobs.driver.prepare import prepare
 
@@ -93,7 +93,7 @@ def activation_memory(shape: GPTShape) -> dict[str, Any]:
         model = build_model("gpt", shape.vocab_size, shape.vocab_size, **options)
         if checkpointed:
             checkpoint_activations(model)
-        counter, seconds = SavedTensorBytes(model), []
+        counter, seconds = HeldForBackward(model), []
         for _ in range(GPT_STEPS):
             began = time.perf_counter()
             with counter.counting():

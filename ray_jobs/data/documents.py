@@ -1,0 +1,204 @@
+"""The documents a tokenizing job reads: ``--input`` expanded to files, and each file read a piece
+at a time, never whole, so a corpus larger than memory streams through.
+
+A file's kind is its suffix (``.gz`` read through gzip): ``.parquet`` is a table with a text
+column, each row one document; ``.jsonl``, ``.ndjson`` and ``.json`` are JSON Lines, each line an
+object holding the text (C4 ships ``.json.gz`` in this form); anything else is one UTF-8 text
+document. Bytes that are not UTF-8 become U+FFFD, one per bad byte, and are counted per file: a
+corpus with a few stray bytes still tokenizes, and the report says where they were.
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob
+import gzip
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+JSON_LINES = (".jsonl", ".ndjson", ".json")
+PARQUET = ".parquet"
+# A text file is handed on in pieces of about this many bytes, cut after a line end: a 10 GB file
+# never sits in memory whole. BPE merges never span a cut; the byte tokenizer's ids are the same.
+TEXT_PIECE_BYTES = 4 << 20
+PARQUET_BATCH_ROWS = 1024
+GLOB_CHARS = re.compile(r"[*?\[]")
+# surrogateescape decodes each byte that is not UTF-8 to one of U+DC80..U+DCFF, which valid UTF-8
+# never yields; JSON may spell any lone surrogate (\ud800): every one becomes U+FFFD and is counted.
+SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def input_files(patterns: list[str], exclude: str | None = None) -> list[str]:
+    """Each ``--input`` as files, in order and once each: a file, a directory's files (recursively,
+    in name order, hidden names skipped) or a glob (``**`` recursive). Files under ``exclude`` (the
+    output directory) are left out, so a re-run does not read its own output."""
+    excluded = os.path.realpath(exclude) + os.sep if exclude and "://" not in exclude else None
+    files: dict[str, None] = {}
+    for pattern in patterns:
+        expanded = os.path.expanduser(pattern)
+        if GLOB_CHARS.search(expanded):
+            found = [path for path in sorted(glob.glob(expanded, recursive=True)) if os.path.isfile(path)]
+        elif os.path.isdir(expanded):
+            found = _walk(expanded)
+        elif os.path.isfile(expanded):
+            found = [expanded]
+        else:
+            raise ValueError(f"--input {pattern}: no such file or directory")
+        found = [path for path in found if excluded is None or not os.path.realpath(path).startswith(excluded)]
+        if not found:
+            raise ValueError(f"--input {pattern}: no input files matched")
+        files.update(dict.fromkeys(found))
+    return list(files)
+
+
+def _walk(directory: str) -> list[str]:
+    found = []
+    for root, dirs, names in os.walk(directory):
+        dirs[:] = sorted(name for name in dirs if not name.startswith("."))
+        found += [os.path.join(root, name) for name in sorted(names) if not name.startswith(".")]
+    return found
+
+
+def file_kind(path: str) -> str:
+    """``parquet``, ``jsonl`` or ``text``, from the name (a ``.gz`` suffix aside)."""
+    name = path.lower().removesuffix(".gz")
+    if name.endswith(PARQUET):
+        return "parquet"
+    return "jsonl" if name.endswith(JSON_LINES) else "text"
+
+
+@dataclass
+class Corpus:
+    """The input files and a text column name; read piece by piece, counting what it replaces.
+
+    ``pieces()`` yields ``(text, ends_document)``: a document is one piece or several (a long text
+    file). Each pass starts its counts afresh."""
+
+    files: list[str]
+    text_column: str = "text"
+    total_bytes: int = 0
+    done_bytes: int = 0
+    """Bytes of the files (as stored) read so far in this pass: for progress."""
+    documents: int = 0
+    skipped: int = 0
+    """Records whose text is null, left out."""
+    replaced: dict[str, int] = field(default_factory=dict)
+    """Per file, the bad bytes (and lone surrogates) replaced by U+FFFD."""
+
+    def __post_init__(self) -> None:
+        self.total_bytes = sum(os.path.getsize(path) for path in self.files)
+
+    def check(self) -> None:
+        """Every Parquet file has a string text column: refused now, not after a BPE pass."""
+        for path in self.files:
+            if file_kind(path) == "parquet":
+                _text_field(path, self.text_column)
+
+    def pieces(self) -> Iterator[tuple[str, bool]]:
+        self.done_bytes, self.documents, self.skipped, self.replaced = 0, 0, 0, {}
+        for path in self.files:
+            start = self.done_bytes  # each reader adds its own file's progress to this
+            reader = {"parquet": self._parquet, "jsonl": self._json_lines, "text": self._text}[file_kind(path)]
+            yield from reader(path)
+            self.done_bytes = start + os.path.getsize(path)
+
+    def texts(self) -> Iterator[str]:
+        return (text for text, _ in self.pieces())
+
+    def _clean(self, text: str, path: str) -> str:
+        text, count = SURROGATES.subn("\ufffd", text)
+        if count:
+            self.replaced[path] = self.replaced.get(path, 0) + count
+        return text
+
+    def _text(self, path: str) -> Iterator[tuple[str, bool]]:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+        carry, start = "", self.done_bytes
+        with _open(path) as stream:
+            while True:
+                block = stream.read(TEXT_PIECE_BYTES)
+                text = carry + decoder.decode(block, final=not block)
+                if not block:
+                    break
+                cut = text.rfind("\n") + 1 or len(text)
+                carry = text[cut:]
+                if cut:
+                    yield self._clean(text[:cut], path), False
+                self.done_bytes = start + _position(stream)
+        self.documents += 1
+        yield self._clean(text, path), True
+
+    def _json_lines(self, path: str) -> Iterator[tuple[str, bool]]:
+        start = self.done_bytes
+        with _open(path) as stream:
+            for number, line in enumerate(stream, 1):
+                if not line.strip():
+                    continue
+                text = _record_text(line, f"{path}:{number}", self.text_column)
+                self.done_bytes = start + _position(stream)
+                if text is None:
+                    self.skipped += 1
+                    continue
+                self.documents += 1
+                yield self._clean(text, path), True
+
+    def _parquet(self, path: str) -> Iterator[tuple[str, bool]]:
+        source = pq.ParquetFile(path)
+        total, done, start, size = source.metadata.num_rows, 0, self.done_bytes, os.path.getsize(path)
+        _text_field(path, self.text_column, source.schema_arrow)
+        for batch in source.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[self.text_column]):
+            done += batch.num_rows
+            self.done_bytes = start + size * done // max(total, 1)
+            for text in batch.column(0).to_pylist():
+                if text is None:
+                    self.skipped += 1
+                    continue
+                self.documents += 1
+                yield text, True  # Arrow strings are valid UTF-8 already
+
+
+def _open(path: str) -> BinaryIO:
+    return gzip.open(path, "rb") if path.lower().endswith(".gz") else open(path, "rb")
+
+
+def _position(stream: BinaryIO) -> int:
+    """Bytes of the file as stored that were read: a gzip stream's compressed offset."""
+    raw = getattr(stream, "fileobj", None)  # gzip.GzipFile
+    return (raw or stream).tell()
+
+
+def _record_text(line: bytes, where: str, column: str) -> str | None:
+    try:
+        record = json.loads(line.decode("utf-8", errors="surrogateescape"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--input {where} is not JSON ({error.msg}, column {error.colno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"--input {where} is a JSON {type(record).__name__}, not an object with a {column!r} field")
+    if column not in record:
+        has = ", ".join(list(record)[:10]) or "none"
+        raise ValueError(f"--input {where} has no {column!r} field (--text-column); its fields: {has}")
+    text = record[column]
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"--input {where}: {column!r} is a JSON {type(text).__name__}, not a string")
+    return text
+
+
+def _text_field(path: str, column: str, schema: pa.Schema | None = None) -> None:
+    try:
+        schema = schema or pq.read_schema(path)
+    except (pa.ArrowInvalid, OSError) as error:
+        raise ValueError(f"--input {path}: not readable as Parquet ({str(error).splitlines()[0]})") from None
+    if column not in schema.names:
+        raise ValueError(
+            f"--input {path} has no column {column!r} (--text-column); its columns: {', '.join(schema.names)}"
+        )
+    kind = schema.field(column).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+        raise ValueError(f"--input {path}: column {column!r} is {kind}, not a string column")
