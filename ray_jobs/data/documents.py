@@ -59,11 +59,22 @@ def input_files(patterns: list[str], exclude: str | None = None) -> list[str]:
 
 
 def _walk(directory: str) -> list[str]:
+    """A directory's files, but not what a folder of sources also holds and no one means as text:
+    ``__pycache__`` folders, and binary files (a NUL byte in their first 8 KiB; Parquet and gzip are
+    read for what they are). A file named on its own is always read."""
     found = []
     for root, dirs, names in os.walk(directory):
-        dirs[:] = sorted(name for name in dirs if not name.startswith("."))
-        found += [os.path.join(root, name) for name in sorted(names) if not name.startswith(".")]
+        dirs[:] = sorted(name for name in dirs if not name.startswith(".") and name != "__pycache__")
+        paths = (os.path.join(root, name) for name in sorted(names) if not name.startswith("."))
+        found += [path for path in paths if not _binary(path)]
     return found
+
+
+def _binary(path: str) -> bool:
+    if path.lower().endswith((".gz", PARQUET)):
+        return False
+    with open(path, "rb") as file:
+        return b"\0" in file.read(8192)
 
 
 def file_kind(path: str) -> str:

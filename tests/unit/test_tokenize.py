@@ -239,3 +239,14 @@ def test_without_the_tokenizers_library_bpe_is_one_line_and_byte_still_works(tmp
     assert code == 2 and err == "error: --tokenizer bpe needs the tokenizers library: pip install 'raypar[lm]'\n"
     assert not (tmp_path / "out").exists()
     assert run(capsys, *argv)[0] == 0
+
+
+def test_a_directory_gives_its_text_not_its_caches_or_binaries(tmp_path):
+    from ray_jobs.data.documents import input_files
+
+    (tmp_path / "pkg" / "__pycache__").mkdir(parents=True)
+    (tmp_path / "pkg" / "mod.py").write_text("x = 1\n")
+    (tmp_path / "pkg" / "__pycache__" / "mod.cpython-311.pyc").write_bytes(b"\x00\x01")
+    (tmp_path / "pkg" / "blob.bin").write_bytes(b"abc\x00def")
+    assert input_files([str(tmp_path / "pkg")]) == [str(tmp_path / "pkg" / "mod.py")]
+    assert input_files([str(tmp_path / "pkg" / "blob.bin")]) == [str(tmp_path / "pkg" / "blob.bin")]  # named: read
