@@ -26,6 +26,7 @@ from ray_jobs.core.config import TrainConfig, WorkerScaling
 from ray_jobs.data import storage
 from ray_jobs.data.order import stream_epoch_order
 from ray_jobs.data.parquet import TOKENS_COLUMN, VOCAB_SIZE_KEY, read_dataset, synthesize, write_table
+from ray_jobs.data_parallel import fsdp
 from ray_jobs.driver.prepare import prepare
 from ray_jobs.driver.summary import TrainSummary
 from ray_jobs.pipeline import trainer as pipeline
@@ -49,6 +50,8 @@ def run_strategy(strategy: str, cfg: TrainConfig, num_workers: int = 1, scaling=
     injected = Faults(**faults)
     if strategy == "ddp":
         return ddp.run(prepared, scaling or WorkerScaling(num_workers=num_workers), injected)
+    if strategy == "fsdp":
+        return fsdp.run(prepared, scaling or fsdp.ShardedScaling(num_workers=num_workers), injected)
     if strategy == "pipeline":
         return pipeline.run(prepared, scaling, injected)
     return dp.run(prepared, scaling or dp.DataParallelScaling(), injected)

@@ -358,7 +358,9 @@ def render(results: dict[str, Any]) -> str:
     parts += _accumulation_section(results.get("accumulation"))
     parts += _lm_section(results.get("lm"))
     from ray_jobs.bench.report_gpu import gpu_sections  # here: it uses this module's helpers
+    from ray_jobs.bench.report_sharding import sharding_section
 
+    parts += sharding_section(results.get("sharding"))
     parts += gpu_sections(results)
     on = "GPU, nccl" if results["suite"] == "gpu" else "CPU, gloo"
     parts += [

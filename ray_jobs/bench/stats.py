@@ -26,6 +26,8 @@ TARGET_STREAM_FED_HEADROOM = 2.0  # with this much reader headroom, a step must 
 TARGET_STREAM_DATA_WAIT = 0.02  # ... more than this share of the loop for its data
 TARGET_STREAM_READ_RATIO = 1.2  # Parquet bytes read per epoch over the file's size
 TARGET_GPU_DDP_PER_GPU = 0.99  # raypar DDP's samples/s per GPU over the plain loop's on one GPU
+TARGET_FSDP_STATE_SLACK = 1.1  # FSDP's model state per worker over DDP's: at most this times 1/N
+TARGET_FSDP_SPEED = 0.8  # FSDP's samples/s over DDP's on the same model and workers
 TARGET_BF16_SPEEDUP = 3.0  # bf16 over fp32 samples/s, raypar DDP on one GPU, the compute-bound MLP
 MIB = 1024 * 1024
 
@@ -241,7 +243,12 @@ def targets(results: dict[str, Any]) -> list[dict]:
             "x",
         )
     )
-    return found + stream_targets(results.get("stream_ingest")) + lm_targets(results.get("lm"))
+    return (
+        found
+        + stream_targets(results.get("stream_ingest"))
+        + lm_targets(results.get("lm"))
+        + sharding_targets(results.get("sharding"))
+    )
 
 
 def lm_targets(lm: dict[str, Any] | None) -> list[dict]:
@@ -270,6 +277,28 @@ def lm_targets(lm: dict[str, Any] | None) -> list[dict]:
             )
         )
     return found
+
+
+def sharding_targets(case: dict[str, Any] | None) -> list[dict]:
+    """FSDP beside DDP: each worker's model state about 1/N of DDP's (one measurement: the bytes
+    do not vary between runs), and most of DDP's speed."""
+    n = case["num_workers"] if case else None
+    bound = TARGET_FSDP_STATE_SLACK / n if n else None
+    return [
+        target(
+            "FSDP model state per worker / DDP's",
+            stats([case["model_state_ratio"]]) if case else None,
+            f"<= {TARGET_FSDP_STATE_SLACK:g}/N" + (f" ({bound:.3f})" if bound else ""),
+            lambda v: v <= bound,
+        ),
+        target(
+            "FSDP samples/s / DDP's",
+            case and case["samples_per_second_ratio"],
+            f">= {TARGET_FSDP_SPEED:g}x",
+            lambda v: v >= TARGET_FSDP_SPEED,
+            "x",
+        ),
+    ]
 
 
 def _fed_target(headroom: float | None, fed: list[float] | None) -> dict:

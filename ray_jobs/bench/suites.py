@@ -86,6 +86,18 @@ class LmWorkload:
 
 
 @dataclass(frozen=True)
+class GPTShape:
+    """The activation-memory case's GPT (``--model gpt``) and the token batch it runs on."""
+
+    n_layer: int
+    n_head: int
+    n_embd: int
+    block_size: int
+    vocab_size: int
+    batch_size: int
+
+
+@dataclass(frozen=True)
 class Suite:
     name: str
     description: str
@@ -130,6 +142,8 @@ class Suite:
     divides by ``ddp_workers`` and by ``target_microbatches``."""
     lm_repetitions: int
     """Runs of each side of the language-model case (each run's epochs after the first are its repetitions)."""
+    gpt: GPTShape = GPTShape(n_layer=6, n_head=4, n_embd=256, block_size=256, vocab_size=512, batch_size=8)
+    """The sharding case's GPT: activation memory with and without --activation-checkpointing."""
 
 
 SUITES: dict[str, Suite] = {
@@ -247,6 +261,7 @@ SUITES: dict[str, Suite] = {
         accum=Workload("mlp", 32, 3, rows=512, in_features=8, out_features=4, batch_size=64, epochs=2),
         lm=LmWorkload(n_layer=2, n_head=2, n_embd=32, block_size=16, rows=128, batch_size=16, epochs=2),
         lm_repetitions=1,
+        gpt=GPTShape(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, batch_size=4),
     ),
 }
 

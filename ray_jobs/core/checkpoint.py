@@ -53,6 +53,10 @@ class TrainState:
     """``--val-data``: the validation loss after each completed epoch (empty without it)."""
     val_accuracy: list[float | None] = field(default_factory=list)
     """``--val-data``: the validation accuracy after each completed epoch (None for regression)."""
+    sharded: bool = False
+    """The weights and optimizer state are in the checkpoint's ``shards/`` (fsdp:
+    ``torch.distributed.checkpoint``, each rank's part written by that rank); ``model`` then holds
+    the full weights in a run's last checkpoint only, and ``optimizer`` nothing."""
 
     @property
     def progress(self) -> tuple[int, int]:
@@ -218,9 +222,20 @@ def _warn_once(directory: storage.Target, why: str) -> None:
         print(f"[raypar] warning: skipping checkpoint {where}: {why}", file=sys.stderr, flush=True)
 
 
+def require_whole(state: TrainState) -> None:
+    """A strategy that reads the full weights from ``checkpoint.pt`` cannot resume an fsdp
+    checkpoint, whose weights and optimizer state lie in its shards."""
+    if state.sharded:
+        raise ValueError(
+            f"the checkpoint after epoch {state.epochs_completed}, step {state.step} was written by fsdp, its "
+            "weights and optimizer state in shards: resume this run with python -m ray_jobs.fsdp"
+        )
+
+
 def slice_state(state: TrainState, keys: set[str], index: int, num_parts: int) -> TrainState:
     """Part ``index`` of ``num_parts`` of a full state: the weights and optimizer state under
     ``keys``, and that part's RNG state when the state was taken with as many parts."""
+    require_whole(state)
     params = [
         {**group, "params": [name for name in group["params"] if name in keys]}
         for group in state.optimizer.get("param_groups", [])

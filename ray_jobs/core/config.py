@@ -176,6 +176,15 @@ class TrainConfig:
             choices=PRECISIONS,
         ),
     )
+    activation_checkpointing: bool = field(
+        default=False,
+        metadata=flag_doc(
+            "recompute each top-level block's forward in backward instead of keeping its activations "
+            "(torch.utils.checkpoint, non-reentrant, dropout's RNG kept): less activation memory, one more forward "
+            "per block, the same weights (ddp, dp, fsdp, and each pipeline stage)",
+            "training",
+        ),
+    )
     peak_tflops: float | None = field(
         default=None,
         metadata=flag_doc(

@@ -116,6 +116,11 @@ def load_state_dict_file(path: str) -> dict[str, torch.Tensor]:
     except Exception as error:  # torch raises several types for a file that is not a checkpoint
         raise ValueError(f"--init-from {path}: not a torch state_dict ({type(error).__name__})") from None
     if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
+        if state.get("sharded") and not state["model"]:
+            raise ValueError(
+                f"--init-from {path}: an fsdp checkpoint keeps its weights in shards beside it; start from the "
+                "run's model.pt, or from its last checkpoint, which holds the full weights"
+            )
         state = state["model"]  # a raypar training checkpoint: take its model weights
     if not isinstance(state, dict):
         raise ValueError(f"--init-from {path}: expected a state_dict, got {type(state).__name__}")

@@ -12,7 +12,7 @@ from torch import nn
 from ray_jobs.core.config import WorkerScaling
 from ray_jobs.core.model_init import warn_not_reproducible
 from ray_jobs.data_parallel.trainer import run_workers
-from ray_jobs.data_parallel.wrap import wrap_ddp
+from ray_jobs.data_parallel.wrap import Replicas, wrap_ddp
 from ray_jobs.driver.prepare import PreparedRun
 from ray_jobs.driver.summary import TrainSummary
 from ray_jobs.testing.faults import NO_FAULTS, Faults
@@ -21,4 +21,5 @@ from ray_jobs.testing.faults import NO_FAULTS, Faults
 def run(prepared: PreparedRun, scaling: WorkerScaling, faults: Faults = NO_FAULTS) -> TrainSummary:
     synced = (nn.modules.batchnorm._BatchNorm,) if scaling.sync_batchnorm else ()
     warn_not_reproducible(prepared.cfg, prepared.dataset, prepared.model_factory, "DDP", synced)
-    return run_workers(prepared, scaling, functools.partial(wrap_ddp, sync_batchnorm=scaling.sync_batchnorm), faults)
+    wrap = Replicas(functools.partial(wrap_ddp, sync_batchnorm=scaling.sync_batchnorm))
+    return run_workers(prepared, scaling, wrap, faults)

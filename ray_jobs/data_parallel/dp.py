@@ -17,7 +17,7 @@ from ray_jobs.core.config import (
     require_gpu_for_fp16,
 )
 from ray_jobs.data_parallel.trainer import run_workers
-from ray_jobs.data_parallel.wrap import wrap_dp
+from ray_jobs.data_parallel.wrap import Replicas, wrap_dp
 from ray_jobs.driver.prepare import PreparedRun
 from ray_jobs.driver.summary import TrainSummary
 from ray_jobs.testing.faults import NO_FAULTS, Faults
@@ -47,4 +47,4 @@ class DataParallelScaling:
 
 
 def run(prepared: PreparedRun, scaling: DataParallelScaling, faults: Faults = NO_FAULTS) -> TrainSummary:
-    return run_workers(prepared, scaling.workers(), wrap_dp, faults)
+    return run_workers(prepared, scaling.workers(), Replicas(wrap_dp), faults)

@@ -1,7 +1,7 @@
-"""Ray Train orchestration shared by the DDP and DataParallel strategies.
+"""Ray Train orchestration shared by the DDP, FSDP and DataParallel strategies.
 
-Both run the same worker loop under ``TorchTrainer``; they differ only in worker scaling and in
-how the model is wrapped, which the caller passes in.
+All run the same worker loop under ``TorchTrainer``; they differ only in worker scaling and in
+how the model is held (``wrap.Replicas``, ``sharding.Shards``), which the caller passes in.
 """
 
 from __future__ import annotations
@@ -10,15 +10,12 @@ import contextlib
 import json
 import os
 import threading
-from collections.abc import Callable
 from dataclasses import asdict
 
 import ray
-import torch
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.v2.api.config import LoggingConfig
-from torch import nn
 
 from ray_jobs.core.checkpoint import latest_checkpoint, latest_progress
 from ray_jobs.core.config import WorkerScaling
@@ -26,6 +23,7 @@ from ray_jobs.core.failure_record import recorded_failure
 from ray_jobs.data import storage
 from ray_jobs.data.stream import reader_stats, stream_reader
 from ray_jobs.data_parallel.worker import LoopConfig, train_loop_per_worker
+from ray_jobs.data_parallel.wrap import Replicas
 from ray_jobs.driver import interrupts
 from ray_jobs.driver.connect import WORKER_ENV
 from ray_jobs.driver.outputs import finish, finish_trained
@@ -56,7 +54,7 @@ CONTROLLER_ENV = {CONTROLLER_POLL_VARIABLE: CONTROLLER_POLL_S, PREEMPTION_WATCHE
 def run_workers(
     prepared: PreparedRun,
     scaling: WorkerScaling,
-    wrap: Callable[[nn.Module, torch.device, str], nn.Module],
+    wrap: Replicas,
     faults: Faults = NO_FAULTS,
 ) -> TrainSummary:
     """Train ``prepared`` with ``scaling.num_workers`` Ray Train workers; Ray must be connected.
@@ -131,7 +129,14 @@ def _fit(prepared: PreparedRun, scaling: WorkerScaling, wrap, reader, faults: Fa
     metrics = {**(result.metrics or {}), **reader_stats(reader)}
     extra = {
         key: metrics.get(key)
-        for key in ("worker_node_ranks", "epoch_seconds", "epoch_steal", "first_step_at", "worker_peak_rss_bytes")
+        for key in (
+            "worker_node_ranks",
+            "epoch_seconds",
+            "epoch_steal",
+            "first_step_at",
+            "worker_peak_rss_bytes",
+            "worker_model_state_bytes",
+        )
     }
     # The attempts whose work is in the model, as its last checkpoint recorded them.
     extra["world_sizes"] = final.world_sizes or None

@@ -1,12 +1,12 @@
-"""The training loop every Ray Train worker runs, for DDP and DataParallel alike.
+"""The training loop every Ray Train worker runs, for DDP, FSDP and DataParallel alike.
 
-The strategy enters only through ``LoopConfig.wrap`` (how the model is wrapped) and through
-which slice of each global batch this worker takes (its world rank).
+The strategy enters only through ``LoopConfig.wrap`` (how the model is wrapped, and how its
+full state is read and restored: ``wrap.Replicas``, ``sharding.Shards``) and through which slice
+of each global batch this worker takes (its world rank).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import tempfile
 import time
@@ -21,13 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ray_jobs.core.activations import checkpoint_activations
 from ray_jobs.core.batches import global_batches, shard, shard_weight
 from ray_jobs.core.checkpoint import (
     TrainState,
     checkpoint_name,
     latest_checkpoint,
-    load_named_optimizer_state,
-    named_optimizer_state,
     restore_scaler,
     resume_rng,
     rng_state,
@@ -35,7 +34,7 @@ from ray_jobs.core.checkpoint import (
     write_checkpoint,
 )
 from ray_jobs.core.config import TrainConfig
-from ray_jobs.core.evaluation import Validation, chunk_sums, combine, is_best, my_chunks, progress, write_best_model
+from ray_jobs.core.evaluation import Validation, combine, is_best, progress, write_best_model
 from ray_jobs.core.failure_record import record_failure
 from ray_jobs.core.lr_schedule import lr_schedule
 from ray_jobs.core.model_init import make_model
@@ -51,7 +50,9 @@ from ray_jobs.core.step import (
 from ray_jobs.data import storage
 from ray_jobs.data.device_copy import prefetched
 from ray_jobs.data.stream import epoch_indices, open_source
+from ray_jobs.data_parallel.wrap import Replicas
 from ray_jobs.errors import described
+from ray_jobs.observability.model_memory import model_state_bytes
 from ray_jobs.observability.process_stats import cpu_times, peak_rss_bytes, steal_fraction
 from ray_jobs.observability.tensorboard import TrainLog
 from ray_jobs.observability.throughput import throughput_text
@@ -65,8 +66,8 @@ class LoopConfig:
     train: dict[str, Any]
     dataset: ray.ObjectRef
     initial_state: ray.ObjectRef
-    wrap: Callable[[nn.Module, torch.device, str], nn.Module]
-    """How the strategy wraps the model on ``device`` for ``--precision``."""
+    wrap: Replicas
+    """How the strategy wraps the model, and reads and restores its state."""
     num_threads: int
     run_dir: storage.Location
     reader: Any = None
@@ -90,14 +91,17 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
     model = make_model(cfg, dataset, loop.model_factory)
     model.load_state_dict(ray.get(loop.initial_state))
     model.to(device)
-    optimizer = build_optimizer(model.parameters(), cfg)
+    if cfg.activation_checkpointing:
+        checkpoint_activations(model)
+    wrapped = loop.wrap.wrap(model, device, cfg.precision)
+    optimizer = build_optimizer(model.parameters(), cfg)  # after the wrap: FSDP's are new (sharded) parameters
     scaler = grad_scaler(cfg.precision, device)
     torch.manual_seed(rank_seed(cfg.seed, ctx.get_world_rank()))  # this rank's dropout draws
-    start = _restore(loop.run_dir, model, optimizer, scaler, cfg.seed, ctx.get_world_rank(), ctx.get_world_size())
+    start = _restore(loop, model, optimizer, scaler, cfg.seed, ctx.get_world_rank(), ctx.get_world_size())
     if start is not None and ctx.get_world_rank() == 0:
         at = f"epoch {start.epochs_completed}" + (f", step {start.step}" if start.step else "")
         print(f"[raypar] resuming from the checkpoint after {at} on {ctx.get_world_size()} worker(s)", flush=True)
-    worker = _Worker(loop, cfg, dataset, device, model, optimizer, scaler, ctx, start)
+    worker = _Worker(loop, cfg, dataset, device, (model, wrapped), optimizer, scaler, ctx, start)
     for epoch in range(start.epochs_completed if start else 0, cfg.epochs):
         resuming = start is not None and epoch == start.epochs_completed
         first_step, done = (start.step, list(start.step_losses)) if resuming else (0, [])
@@ -120,18 +124,15 @@ class _Worker:
         cfg: TrainConfig,
         dataset,
         device: torch.device,
-        model: nn.Module,
+        models: tuple[nn.Module, nn.Module],
         optimizer: torch.optim.Optimizer,
         scaler: torch.amp.GradScaler | None,
         ctx,
         start: TrainState | None,
     ) -> None:
         self.loop, self.cfg, self.dataset, self.device = loop, cfg, dataset, device
-        self.model, self.optimizer, self.scaler = model, optimizer, scaler
-        self.wrapped = loop.wrap(model, device, cfg.precision)
-        # --grad-accum-steps: DDP all-reduces only the last micro-step's backward.
-        ddp = isinstance(self.wrapped, torch.nn.parallel.DistributedDataParallel)
-        self.no_sync = self.wrapped.no_sync if ddp else contextlib.nullcontext
+        (self.model, self.wrapped), self.optimizer, self.scaler = models, optimizer, scaler
+        self.no_sync = loop.wrap.no_sync(self.wrapped)  # --grad-accum-steps
         self.loss_fn = loss_function(dataset.task)
         self.world_rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
         self.source = open_source(dataset, loop.reader, cfg.seed, cfg.shuffle, device)
@@ -222,6 +223,8 @@ class _Worker:
             data_wait_fraction=self.source.wait_s / sum(self.epoch_seconds),
             first_step_at=self.first_step_at,
             worker_peak_rss_bytes=_gather(peak_rss_bytes(), self.world_size),
+            # after the epoch's last step: its gradients and the optimizer state are all there
+            worker_model_state_bytes=_gather(model_state_bytes(self.model, self.optimizer), self.world_size),
             grad_norm=norm_readings(self.grad_norms),
             device_name=torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
         )
@@ -245,51 +248,57 @@ class _Worker:
         if (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs:
             self.checkpoint(epoch + 1, 0, [])
         else:
-            _report(self.report, None)
+            _report(self.report)
 
     def validate(self) -> Validation | None:
         """``--val-data`` with the weights after this epoch: each rank takes its chunks, the chunks'
         sums are gathered, so every rank holds the same result (world rank 0 writes best_model.pt)."""
         if self.val is None:
             return None
-        mine = chunk_sums(self.model, self.val, my_chunks(self.val, self.world_rank, self.world_size), self.device)
+        mine = self.loop.wrap.chunk_sums(self.model, self.val, self.world_rank, self.world_size, self.device)
         result = combine(
             {chunk: sums for part in _gather(mine, self.world_size) for chunk, sums in part.items()}, self.val
         )
         self.val_losses.append(result.loss)
         self.val_accuracy.append(result.accuracy)
-        if self.world_rank == 0 and is_best(self.val_losses):
-            write_best_model(self.loop.run_dir, self.weights)
+        if is_best(self.val_losses):  # the same on every rank: a sharded model's weights gather collectively
+            weights = self.loop.wrap.weights(self.model)
+            if self.world_rank == 0:
+                write_best_model(self.loop.run_dir, lambda: weights)
         return result
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        return {key: value.detach().cpu() for key, value in self.model.state_dict().items()}
-
     def checkpoint(self, epochs_completed: int, step: int, step_losses: list[float]) -> None:
-        """Report with a checkpoint (every rank calls it: the RNG states are gathered, and a
-        report is a barrier); world rank 0 writes it."""
+        """Report with a checkpoint (every rank calls it: the RNG states are gathered, a sharded
+        model's state too, and a report is a barrier); world rank 0 writes ``checkpoint.pt``, and
+        with a sharded model every rank writes its shards beside it."""
         rngs = _gather(rng_state(), self.world_size)
-        state = None
-        if self.world_rank == 0:
-            # No copy: the checkpoint is written before the next step changes these tensors.
-            state = TrainState(
-                self.weights(),
-                named_optimizer_state(self.optimizer, dict(self.model.named_parameters())),
-                epochs_completed,
-                list(self.losses),
-                rngs,
-                step,
-                step_losses,
-                world_sizes=self.report["world_sizes"],
-                scaler=self.scaler.state_dict() if self.scaler else None,
-                val_losses=list(self.val_losses),
-                val_accuracy=list(self.val_accuracy),
-            )
-        _report({**self.report, "step": step}, state)
+        final = (epochs_completed, step) == (self.cfg.epochs, 0)
+        # No copy: the checkpoint is written before the next step changes these tensors.
+        weights, optimizer = self.loop.wrap.checkpoint_state(self.model, self.optimizer, final)
+        with tempfile.TemporaryDirectory(prefix="raypar-ckpt-") as directory:
+            sharded = self.loop.wrap.write_shards(directory, self.model, self.optimizer)
+            if self.world_rank == 0:
+                state = TrainState(
+                    weights,
+                    optimizer,
+                    epochs_completed,
+                    list(self.losses),
+                    rngs,
+                    step,
+                    step_losses,
+                    world_sizes=self.report["world_sizes"],
+                    scaler=self.scaler.state_dict() if self.scaler else None,
+                    val_losses=list(self.val_losses),
+                    val_accuracy=list(self.val_accuracy),
+                    sharded=sharded,
+                )
+                write_checkpoint(directory, state)
+            attached = directory if self.world_rank == 0 or sharded else None
+            _report({**self.report, "step": step}, attached, checkpoint_name(epochs_completed, step))
 
 
 def _restore(
-    run_dir: storage.Location,
+    loop: LoopConfig,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None,
@@ -297,29 +306,24 @@ def _restore(
     world_rank: int,
     world_size: int,
 ) -> TrainState | None:
-    state = latest_checkpoint(run_dir)
+    state = latest_checkpoint(loop.run_dir)
     if state is None:
         return None
-    model.load_state_dict(state.model)
-    load_named_optimizer_state(optimizer, dict(model.named_parameters()), state.optimizer)
+    directory = storage.join(loop.run_dir, checkpoint_name(state.epochs_completed, state.step))
+    loop.wrap.restore(directory, model, optimizer, state)
     restore_scaler(scaler, state)
     resume_rng(saved_rng(state, world_rank, world_size), seed, world_rank, state.epochs_completed)
     return state
 
 
-def _report(metrics: dict[str, Any], state: TrainState | None) -> None:
-    """Every rank reports (it is a barrier); only world rank 0 attaches the checkpoint."""
-    if state is None:
+def _report(metrics: dict[str, Any], directory: str | None = None, name: str | None = None) -> None:
+    """Every rank reports (it is a barrier); the ranks with a checkpoint ``directory`` attach it,
+    and Ray Train uploads each into the one checkpoint directory ``name``."""
+    if directory is None:
         ray.train.report(metrics)
         return
-    with tempfile.TemporaryDirectory(prefix="raypar-ckpt-") as directory:
-        write_checkpoint(directory, state)
-        # Named by progress: resume and model.pt take the checkpoint with the most work done.
-        ray.train.report(
-            metrics,
-            checkpoint=ray.train.Checkpoint.from_directory(directory),
-            checkpoint_dir_name=checkpoint_name(state.epochs_completed, state.step),
-        )
+    # Named by progress: resume and model.pt take the checkpoint with the most work done.
+    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory), checkpoint_dir_name=name)
 
 
 def _mean_over_workers(value: torch.Tensor, world_size: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""How each data-parallel strategy wraps the unchanged model on a Ray Train worker.
+"""How each data-parallel strategy holds the unchanged model on a Ray Train worker: how it wraps
+it, and how the worker reads and restores its full state.
 
 Runs in the worker: the loop unpickles these with its config, so this module imports nothing
 that runs only on the driver.
@@ -6,11 +7,69 @@ that runs only on the driver.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import ray.train.torch
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from ray_jobs.core.checkpoint import TrainState, load_named_optimizer_state, named_optimizer_state, require_whole
+from ray_jobs.core.evaluation import chunk_sums, my_chunks
 from ray_jobs.core.step import autocast
+
+
+class Replicas:
+    """DDP and DataParallel: every rank holds the whole model, so any rank's ``state_dict`` is
+    the full one and a checkpoint is world rank 0's alone. The worker loop calls these methods;
+    a sharded strategy (``sharding.Shards``) overrides them, so the loop never asks which
+    strategy it runs."""
+
+    def __init__(self, wrap: Callable[[nn.Module, torch.device, str], nn.Module]) -> None:
+        self._wrap = wrap
+
+    def wrap(self, model: nn.Module, device: torch.device, precision: str) -> nn.Module:
+        """The model as the train step calls it (the unwrapped ``model`` keeps the parameters)."""
+        return self._wrap(model, device, precision)
+
+    def no_sync(self, wrapped: nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
+        """--grad-accum-steps: DDP all-reduces only the last micro-step's backward."""
+        if isinstance(wrapped, nn.parallel.DistributedDataParallel):
+            return wrapped.no_sync
+        return contextlib.nullcontext
+
+    def weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The full ``state_dict`` on the CPU, on world rank 0 (every rank calls it; the others
+        get ``{}`` and copy nothing off their GPU)."""
+        if not _world_rank_0():
+            return {}
+        return {key: value.detach().cpu() for key, value in model.state_dict().items()}
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, final: bool) -> tuple[dict, dict]:
+        """The weights and name-keyed optimizer state for ``checkpoint.pt``, on world rank 0
+        (every rank calls it)."""
+        if not _world_rank_0():
+            return {}, {}
+        return self.weights(model), named_optimizer_state(optimizer, dict(model.named_parameters()))
+
+    def write_shards(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        """Write this rank's part of the state into ``directory``; whether there was one."""
+        return False
+
+    def restore(self, directory, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> None:
+        """Load a checkpoint's weights and optimizer state (``directory``: where it lies)."""
+        require_whole(state)
+        model.load_state_dict(state.model)
+        load_named_optimizer_state(optimizer, dict(model.named_parameters()), state.optimizer)
+
+    def chunk_sums(self, model: nn.Module, val, world_rank: int, world_size: int, device: torch.device) -> dict:
+        """--val-data: this rank's chunks' sums (``evaluation.chunk_sums``)."""
+        return chunk_sums(model, val, my_chunks(val, world_rank, world_size), device)
+
+
+def _world_rank_0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def wrap_ddp(

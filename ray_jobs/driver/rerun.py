@@ -63,6 +63,7 @@ OPERATIONAL = (
     "name",
     "max_failures",
     "resource_timeout",
+    "activation_checkpointing",  # recomputes the same activations: the same weights
     "peak_tflops",
 )
 

@@ -19,6 +19,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from ray_jobs.core.activations import checkpoint_activations
 from ray_jobs.core.batches import microbatches
 from ray_jobs.core.checkpoint import (
     TrainState,
@@ -88,6 +89,8 @@ class StageWorker:
         # Only this stage's layers ever get memory: the whole model exists on the meta device.
         self.module = stages[stage_index].to_empty(device=self.device)
         self.module.load_state_dict(initial_slice)
+        if cfg.activation_checkpointing:
+            checkpoint_activations(self.module)  # each of this stage's top-level blocks
         self.optimizer = build_optimizer(self.module.parameters(), cfg)
         # The LR of each optimizer step, counted over the run as the workers count it: a restore
         # sets where this stage's count resumes.

@@ -68,6 +68,12 @@ def test_the_smoke_suite_runs_every_case_end_to_end(ray_cluster, tmp_path):
         assert run["bytes_read"] > 0 and 0 <= run["data_wait_fraction"] < 1
     assert stream["reader_rows_per_second"] > 0 and set(stream["growth"]) == {"memory", "stream"}
 
+    sharding = results["sharding"]  # FSDP beside DDP: each worker holds a part of the model state
+    assert sharding["num_workers"] == 2 and 0 < sharding["model_state_ratio"] < 1
+    assert all(
+        worker["optimizer"] > 0 for side in sharding["model_state_bytes"].values() for worker in side
+    )  # AdamW's moments counted
+    assert sharding["activations"]["checkpointed"]["saved_bytes"] < sharding["activations"]["plain"]["saved_bytes"]
     accum = results["accumulation"]
     assert [run["grad_accum_steps"] for run in accum["runs"]] == [1, 4]
     k1, k4 = accum["runs"]

@@ -86,12 +86,12 @@ def test_fp16_ddp_matches_the_fp16_reference_and_checkpoints_its_scale(ray_clust
     # (resuming with the scale is the pipeline test's; the loop restores it with the same call).
     from ray_jobs.core.config import WorkerScaling
     from ray_jobs.data_parallel.trainer import _fit
-    from ray_jobs.data_parallel.wrap import wrap_ddp
+    from ray_jobs.data_parallel.wrap import Replicas, wrap_ddp
     from ray_jobs.driver.prepare import prepare
     from ray_jobs.testing.faults import NO_FAULTS
 
     cfg = with_(bf16, precision="fp16")
-    summary = _fit(prepare(cfg, "ddp"), WorkerScaling(num_workers=2), wrap_ddp, None, NO_FAULTS)
+    summary = _fit(prepare(cfg, "ddp"), WorkerScaling(num_workers=2), Replicas(wrap_ddp), None, NO_FAULTS)
     got, (expected, _) = load_weights(summary.run_dir), reference_for(cfg)
     for key in expected:  # tolerance: as the fp16 pipeline's
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=BF16_ATOL / 8, msg=key)

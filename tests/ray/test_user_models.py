@@ -137,6 +137,13 @@ def test_ddp_trains_a_user_model_and_validates_it_alike_with_1_and_2_workers(ray
 
 
 @pytest.mark.ray
+def test_fsdp_trains_a_user_model_and_validates_it_on_2_workers(ray_cluster, user_cfg):
+    """40 validation rows are one chunk: world rank 1 has none, and still joins the forward's
+    all-gathers; best_model.pt is gathered from both ranks' shards."""
+    run_and_compare("fsdp", with_(user_cfg, name="fsdp2"), 2)
+
+
+@pytest.mark.ray
 @pytest.mark.parametrize("user_cfg", ["regression"], indirect=True)
 def test_dataparallel_trains_a_user_model(ray_cluster, user_cfg):
     assert run_and_compare("dp", with_(user_cfg, name="dp"), 1)["val_accuracy"] is None

@@ -53,7 +53,8 @@ def test_render_reports_each_target_met_missed_or_not_run():
     results["targets"] = targets(results)
     text = render(results)
     assert re.search(r"\| ingest rows/s / DDP samples/s +\| >= 5x +\| +100.00 \| met +\|", text)
-    assert len(re.findall(r"\| not run +\|", text)) == 12  # the DDP, pipeline, streaming and lm cases did not run
+    # the DDP, pipeline, streaming, lm and sharding cases did not run
+    assert len(re.findall(r"\| not run +\|", text)) == 14
     assert "plots skipped: matplotlib not installed." in text
     assert "steal" not in text  # not measured: no claim either way
 
@@ -138,3 +139,35 @@ def test_the_published_report_is_what_the_renderer_makes_of_its_json():
     published = REPO / "docs" / "bench"
     results = json.loads((published / "bench.json").read_text())
     assert render(results) == (published / "bench.md").read_text()
+
+
+def test_the_sharding_section_shows_each_workers_model_state_and_judges_fsdp_against_ddp():
+    def held(total: int) -> dict:
+        return {"parameters": total // 4, "gradients": total // 4, "optimizer": total // 2, "total": total}
+
+    gpt = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 64, "batch_size": 4}
+    work = {"model": "mlp", "hidden": 8, "depth": 3, "in_features": 4, "out_features": 2, "rows": 64}
+    case = {
+        "workload": {**work, "batch_size": 16, "epochs": 2, "optimizer": "adamw", "lr": 1e-3},
+        "num_workers": 2,
+        "model_state_bytes": {"ddp": [held(4096), held(4096)], "fsdp": [held(2048), held(2048)]},
+        "model_state_ratio": 0.5,
+        "samples_per_second": {"ddp": stats([1000.0, 1100.0]), "fsdp": stats([900.0, 950.0])},
+        "samples_per_second_ratio": ratio(stats([900.0, 950.0]), stats([1000.0, 1100.0])),
+        "activations": {
+            "gpt": gpt,
+            "parameter_bytes": 2**20,
+            "plain": {"saved_bytes": 8 * 2**20, "step_seconds": stats([0.02])},
+            "checkpointed": {"saved_bytes": 2**20, "step_seconds": stats([0.03])},
+            "saved_ratio": 0.125,
+            "step_time_ratio": ratio(stats([0.03]), stats([0.02])),
+        },
+    }
+    machine = {"cpu_count": 2, "torch": "t", "ray": "r", "python": "p", "platform": "x"}
+    results = {"suite": "quick", "seconds": 1.0, "plots": "none", "machine": machine, "sharding": case}
+    results["targets"] = targets(results)
+    text = render(results)
+    assert "| fsdp     |          1 |             0.5 |            0.5 |            1.0 |        2.0 |" in text
+    assert re.search(r"\| FSDP model state per worker / DDP's +\| <= 1.1/N \(0.550\) +\| +0.50 \| met +\|", text)
+    assert re.search(r"\| FSDP samples/s / DDP's +\| >= 0.8x +\| .* \| met +\|", text)
+    assert "Checkpointing holds 0.125 of the activations" in text

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from ray_jobs.core.checkpoint import (
@@ -184,3 +185,11 @@ def test_a_storage_error_is_retried_then_named_not_taken_for_a_bad_checkpoint(tm
         )
     else:
         raise AssertionError("a storage error was taken for a missing checkpoint")
+
+
+def test_a_sharded_fsdp_checkpoint_is_refused_by_strategies_that_read_whole_weights():
+    from ray_jobs.core.checkpoint import TrainState, slice_state
+
+    state = TrainState({}, {}, 2, sharded=True)
+    with pytest.raises(ValueError, match="written by fsdp.*resume this run with python -m ray_jobs.fsdp"):
+        slice_state(state, {"net1.weight"}, 0, 2)

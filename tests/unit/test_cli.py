@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from models import build_model
-from ray_jobs import ddp, dp
+from ray_jobs import ddp, dp, fsdp
 from tests.helpers import REPO
 
 BAD_INPUT = [
@@ -61,6 +61,26 @@ def test_init_from_that_does_not_match_the_model(tmp_path, capsys):
     (tmp_path / "junk.pt").write_text("junk")
     assert dp.main(["--init-from", str(tmp_path / "junk.pt")]) == 2
     assert "not a torch state_dict" in capsys.readouterr().err
+
+
+def test_fsdp_refuses_fp16_and_a_sharded_checkpoint_as_initial_weights_in_one_line(tmp_path, capsys):
+    assert fsdp.main(["--precision", "fp16", "--use-gpu"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --precision fp16 is not offered with fsdp: its gradient scaler would check each rank's own "
+        "shard for overflow, so ranks could skip different steps; use --precision bf16"
+    ]
+    sharded = tmp_path / "checkpoint.pt"
+    torch.save({"model": {}, "optimizer": {}, "epochs_completed": 1, "sharded": True}, sharded)
+    assert fsdp.main(["--init-from", str(sharded), "--storage-path", str(tmp_path / "runs")]) == 2
+    assert "keeps its weights in shards beside it; start from the run's model.pt" in capsys.readouterr().err
+
+
+def test_fsdp_help_lists_its_flags_with_their_defaults(capsys):
+    with pytest.raises(SystemExit):
+        fsdp.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--no-reshard-after-forward" in text and "(default: on)" in text
+    assert "--activation-checkpointing" in text
 
 
 def test_unwritable_storage_path(tmp_path, capsys):

@@ -31,12 +31,14 @@ RANKS = {
 ENTRY_POINTS = {
     "ray_jobs.ddp",
     "ray_jobs.dp",
+    "ray_jobs.fsdp",
     "ray_jobs.generate",
 }  # plus every __main__ and the bench, a harness of entry points
 # What runs inside a Ray Train worker, a stage actor or the stream's reader actor.
 WORKER_SIDE = [
     "ray_jobs.data_parallel.worker",
     "ray_jobs.data_parallel.wrap",
+    "ray_jobs.data_parallel.sharding",
     "ray_jobs.pipeline.stage",
     "ray_jobs.data.stream",
 ]

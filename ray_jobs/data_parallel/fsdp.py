@@ -1,0 +1,48 @@
+"""Fully sharded data parallel (FSDP2) on Ray Train: the DDP run (same workers, placement, process
+group, loop, checkpoints and outputs), with each worker holding 1/N of the weights, gradients and
+optimizer state (``sharding.Shards``). Runs on the driver; the workers run ``worker.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ray_jobs.core.config import TrainConfig, WorkerScaling, flag_doc
+from ray_jobs.core.model_init import warn_not_reproducible
+from ray_jobs.data_parallel.sharding import Shards
+from ray_jobs.data_parallel.trainer import run_workers
+from ray_jobs.driver.prepare import PreparedRun
+from ray_jobs.driver.summary import TrainSummary
+from ray_jobs.testing.faults import NO_FAULTS, Faults
+
+
+@dataclass
+class ShardedScaling(WorkerScaling):
+    """DDP's placement, and how FSDP shards."""
+
+    reshard_after_forward: bool = field(
+        default=True,
+        metadata=flag_doc(
+            "free each block's gathered weights after its forward and gather them again in backward (ZeRO-3's "
+            "memory); --no-reshard-after-forward keeps them to backward: one all-gather less per block, the "
+            "whole unsharded model held at the forward's end",
+            default_text="on",
+        ),
+    )
+
+    def check(self, cfg: TrainConfig) -> None:
+        super().check(cfg)
+        if cfg.precision == "fp16":
+            raise ValueError(
+                "--precision fp16 is not offered with fsdp: its gradient scaler would check each rank's own "
+                "shard for overflow, so ranks could skip different steps; use --precision bf16"
+            )
+
+
+def run(prepared: PreparedRun, scaling: ShardedScaling, faults: Faults = NO_FAULTS) -> TrainSummary:
+    synced = (nn.modules.batchnorm._BatchNorm,) if scaling.sync_batchnorm else ()
+    warn_not_reproducible(prepared.cfg, prepared.dataset, prepared.model_factory, "FSDP", synced)
+    shards = Shards(scaling.reshard_after_forward, scaling.sync_batchnorm)
+    return run_workers(prepared, scaling, shards, faults)

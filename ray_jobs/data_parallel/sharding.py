@@ -1,0 +1,168 @@
+"""Fully sharded data parallel (FSDP2, ``torch.distributed.fsdp.fully_shard``) on a Ray Train worker.
+
+Every rank holds 1/N of each parameter, of its gradient and of the optimizer state; a group's
+weights are all-gathered just before its forward (and again in backward) and freed after, and its
+gradients are reduce-scattered. The model is unchanged: ``fully_shard`` goes on each top-level
+child and on the root. Checkpoints are sharded with ``torch.distributed.checkpoint`` (each rank
+writes its own part; a resume at any worker count reshards them); ``model.pt`` and
+``best_model.pt`` are gathered on world rank 0 only, on the CPU.
+
+Runs in the worker; imports nothing that runs only on the driver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import tempfile
+from collections.abc import Callable
+
+import pyarrow.fs as pafs
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from ray_jobs.core.checkpoint import TrainState
+from ray_jobs.core.evaluation import chunk_sums, my_chunks, num_chunks
+from ray_jobs.data import storage
+from ray_jobs.data_parallel.wrap import Replicas
+
+SHARDS_DIR = "shards"  # a checkpoint's torch.distributed.checkpoint files: one per rank, and .metadata
+FULL = StateDictOptions(full_state_dict=True)
+# Gathered on world rank 0 only, and onto its CPU: no rank ever holds the whole model on its device.
+FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def shard_units(model: nn.Module) -> list[str]:
+    """The top-level children that get a ``fully_shard`` group of their own: those with parameters,
+    none of which another child also holds. Parameters are compared by identity, not by name, so
+    a tied embedding and output head (GPT-2's) however named stay together, in the root's group,
+    which takes every parameter no child's group took."""
+    holders: dict[int, int] = {}
+    for child in model.children():
+        for param in set(child.parameters()):
+            holders[id(param)] = holders.get(id(param), 0) + 1
+    return [
+        name
+        for name, child in model.named_children()
+        if next(child.parameters(), None) is not None and all(holders[id(p)] == 1 for p in child.parameters())
+    ]
+
+
+def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    """``--precision bf16``: weights all-gathered and computed in bf16, gradients reduced in fp32
+    (the sharded weights, their gradients and the optimizer state stay fp32), the output fp32 for
+    the loss; the train step's autocast still runs the loss as on one process. fp32: no cast."""
+    if precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+class Shards(Replicas):
+    """How FSDP holds the model; the worker loop calls it as it calls ``Replicas``."""
+
+    def __init__(self, reshard_after_forward: bool = True, sync_batchnorm: bool = False) -> None:
+        super().__init__(lambda model, device, precision: model)
+        self.reshard_after_forward, self.sync_batchnorm = reshard_after_forward, sync_batchnorm
+
+    def wrap(self, model: nn.Module, device: torch.device, precision: str) -> nn.Module:
+        """``fully_shard`` each ``shard_units`` child, then the root, over one mesh of every rank.
+        The returned module is ``model`` itself, its parameters now DTensor shards: build the
+        optimizer after this."""
+        if device.type == "cuda":
+            # Each rank's collectives on its own GPU: an FSDP2 run that left the current device
+            # at cuda:0 hung in a barrier under TorchTrainer (ray-project/ray#57860).
+            torch.cuda.set_device(device)
+        if self.sync_batchnorm:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model.to(device)
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        options = {
+            "mesh": mesh,
+            "reshard_after_forward": self.reshard_after_forward,
+            "mp_policy": mixed_precision(precision),
+        }
+        for name in shard_units(model):
+            fully_shard(getattr(model, name), **options)
+        return fully_shard(model, **options)
+
+    def no_sync(self, wrapped: nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
+        """--grad-accum-steps: no reduce-scatter on the micro-steps before the last; each rank
+        sums its unsharded gradients meanwhile (more memory than a sharded sum, one collective)."""
+
+        @contextlib.contextmanager
+        def unsynced():
+            wrapped.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                wrapped.set_requires_gradient_sync(True)
+
+        return unsynced
+
+    def weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The full ``state_dict``, gathered onto world rank 0's CPU (a collective: every rank
+        calls it; the others get ``{}``)."""
+        return get_model_state_dict(model, options=FULL_ON_RANK0)
+
+    def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, final: bool) -> tuple[dict, dict]:
+        """``checkpoint.pt`` holds no tensors (they are in the shards), except the run's last:
+        its full weights, which ``model.pt`` is written from."""
+        return (self.weights(model) if final else {}), {}
+
+    def write_shards(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+        """Every rank writes its own shards of the weights and the optimizer state (keyed by
+        parameter name) into ``directory/shards``; world rank 0 also the ``.metadata``. Ray Train
+        uploads every rank's directory into the one checkpoint directory."""
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save(
+            {"model": model_state, "optimizer": optimizer_state},
+            storage_writer=dcp.FileSystemWriter(os.path.join(directory, SHARDS_DIR)),
+        )
+        return True
+
+    def restore(self, directory, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> None:
+        """Sharded checkpoints are read resharded to this worker count; a full one (another
+        strategy's, or from before) is loaded by every rank, which keeps its own part."""
+        if not state.sharded:
+            set_model_state_dict(model, state.model, options=FULL)
+            set_optimizer_state_dict(model, optimizer, state.optimizer, options=FULL)
+            return
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        loaded = {"model": model_state, "optimizer": optimizer_state}
+        with _local(storage.join(directory, SHARDS_DIR)) as path:
+            dcp.load(loaded, storage_reader=dcp.FileSystemReader(path))
+        set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
+
+    def chunk_sums(self, model: nn.Module, val, world_rank: int, world_size: int, device: torch.device) -> dict:
+        """This rank's chunks, then as many more forwards (of chunk 0, discarded) as the rank with
+        the most chunks makes: each forward all-gathers weights, a collective every rank must join."""
+        mine = my_chunks(val, world_rank, world_size)
+        sums = chunk_sums(model, val, mine, device)
+        for _ in range(math.ceil(num_chunks(val) / world_size) - len(mine)):
+            chunk_sums(model, val, [0], device)
+        return sums
+
+
+@contextlib.contextmanager
+def _local(target: storage.Target):
+    """``target`` as a local directory: itself on local storage, else a temporary copy."""
+    filesystem, path = storage.resolve(target)
+    if isinstance(filesystem, pafs.LocalFileSystem):
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="raypar-shards-") as local:
+        pafs.copy_files(path, local, source_filesystem=filesystem, destination_filesystem=pafs.LocalFileSystem())
+        yield local

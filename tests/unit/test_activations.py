@@ -1,0 +1,80 @@
+"""--activation-checkpointing: the same gradients as without it, dropout included, and less held
+for backward; and which children FSDP shards on their own."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models import build_model
+from ray_jobs.core.activations import HeldForBackward, checkpoint_activations
+from ray_jobs.data_parallel.sharding import shard_units
+
+
+def _gradients(model: nn.Module, x: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)  # the dropout masks' draws
+    model.zero_grad()
+    model(x).pow(2).mean().backward()
+    return {name: param.grad.clone() for name, param in model.named_parameters()}
+
+
+def test_checkpointed_blocks_give_the_same_gradients_bit_for_bit_dropout_included():
+    torch.manual_seed(0)
+    plain = build_model("mlp", 6, 3, hidden=16, depth=4, dropout=0.3)
+    checkpointed = build_model("mlp", 6, 3, hidden=16, depth=4, dropout=0.3)
+    checkpointed.load_state_dict(plain.state_dict())
+    assert checkpoint_activations(checkpointed) == ["fc0", "fc1", "fc2", "fc3"]  # not the ReLUs, dropouts
+    assert list(checkpointed.state_dict()) == list(plain.state_dict())  # names unchanged: checkpoints load alike
+    x = torch.randn(32, 6)
+    expected, got = _gradients(plain, x, seed=4), _gradients(checkpointed, x, seed=4)
+    for name in expected:
+        # the recompute replays the forward's RNG state, so the masks and the bits are the same
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_a_checkpointed_gpt_like_stack_holds_less_for_backward():
+    """Blocks of several ops each (as a transformer's): with checkpointing, only each block's
+    input is held until backward."""
+    torch.manual_seed(0)
+    width = 64
+
+    def block() -> nn.Module:
+        return nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    plain = nn.Sequential(*(block() for _ in range(4)))
+    checkpointed = nn.Sequential(*(block() for _ in range(4)))
+    checkpoint_activations(checkpointed)
+    x = torch.randn(128, width)
+    held = {}
+    for name, model in (("plain", plain), ("checkpointed", checkpointed)):
+        counter = HeldForBackward(model)
+        with counter.counting():
+            out = model(x)
+        held[name] = counter.bytes
+        out.sum().backward()
+    row_bytes = 128 * width * 4
+    assert held["checkpointed"] == 4 * row_bytes  # each block's input, the batch's included
+    # without, per block: the LayerNorm's input (1 width) and its mean and rstd (1 float each per
+    # row), the first Linear's input (1), the GELU's input (4) and the second Linear's input (4)
+    assert held["plain"] == 4 * (10 * row_bytes + 2 * 128 * 4)
+
+
+def test_fsdp_shards_each_child_alone_unless_it_shares_a_parameter():
+    head = nn.Linear(8, 8)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Sequential(head, nn.Tanh()), nn.Linear(8, 8), nn.Linear(8, 3))
+    model[3].weight = head.weight  # tied by identity, under another name and one level down
+    assert shard_units(model) == ["0", "4"]
+
+
+def test_model_state_bytes_counts_parameters_gradients_and_optimizer_state_once_each():
+    from ray_jobs.observability.model_memory import model_state_bytes
+
+    first = nn.Linear(4, 4, bias=False)
+    model = nn.Sequential(first, nn.Linear(4, 4, bias=False))
+    model[1].weight = first.weight  # tied: one storage
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    assert model_state_bytes(model, optimizer) == {"parameters": 64, "gradients": 0, "optimizer": 0, "total": 64}
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    # AdamW: two moments of 16 floats, and its step count (a 0-d float32 tensor)
+    assert model_state_bytes(model, optimizer) == {"parameters": 64, "gradients": 64, "optimizer": 132, "total": 260}
