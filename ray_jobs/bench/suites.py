@@ -8,8 +8,23 @@ from dataclasses import dataclass
 from ray_jobs.core.config import TrainConfig
 
 
+class Epochs:
+    """An epoch of a workload with ``rows`` rows in global batches of ``batch_size``: full batches only."""
+
+    rows: int
+    batch_size: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.rows // self.batch_size
+
+    @property
+    def samples_per_epoch(self) -> int:
+        return self.steps_per_epoch * self.batch_size
+
+
 @dataclass(frozen=True)
-class Workload:
+class Workload(Epochs):
     """A model and a synthetic regression dataset (written as Parquet, read back like --data)."""
 
     model: str
@@ -37,17 +52,9 @@ class Workload:
             name=name,
         )
 
-    @property
-    def steps_per_epoch(self) -> int:
-        return self.rows // self.batch_size
-
-    @property
-    def samples_per_epoch(self) -> int:
-        return self.steps_per_epoch * self.batch_size
-
 
 @dataclass(frozen=True)
-class LmWorkload:
+class LmWorkload(Epochs):
     """The built-in ``gpt`` on byte tokens of the standard library's own sources (``--task lm``):
     ``rows`` rows of ``block_size + 1`` consecutive tokens, written as Parquet like tokenized text."""
 
@@ -75,14 +82,6 @@ class LmWorkload:
             storage_path=storage_path,
             name=name,
         )
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return self.rows // self.batch_size
-
-    @property
-    def samples_per_epoch(self) -> int:
-        return self.steps_per_epoch * self.batch_size
 
 
 @dataclass(frozen=True)
