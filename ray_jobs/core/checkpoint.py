@@ -11,6 +11,7 @@ copies reset.
 
 from __future__ import annotations
 
+import pickle
 import re
 import sys
 import time
@@ -26,6 +27,8 @@ from ray_jobs.data import storage
 
 CHECKPOINT_FILE = "checkpoint.pt"
 CHECKPOINT_PREFIX = "checkpoint_"
+SHARDS_DIR = "shards"  # an fsdp checkpoint's torch.distributed.checkpoint files: one per rank, and .metadata
+SHARDS_METADATA = ".metadata"  # what DCP wrote last, on rank 0: every shard file's name and extent
 # Reading a checkpoint after a storage error: attempts, and the wait before the next (times the attempt).
 READ_ATTEMPTS, READ_RETRY_S = 3, 1.0
 _WARNED: set[str] = set()  # checkpoints already said to be skipped, by this process
@@ -149,7 +152,10 @@ def usable_checkpoints(run_dir: storage.Target) -> list[tuple[tuple[int, int], s
 
     A checkpoint cut short while it was written (a crash mid-upload; a full disk) is skipped with
     a one-line warning naming it, told by its zip archive's central directory, which
-    ``torch.save`` writes last (read from the file's tail: no tensor is loaded). A storage error
+    ``torch.save`` writes last (read from the file's tail: no tensor is loaded). An fsdp checkpoint
+    whose ``shards/`` lacks a rank's file, or holds one shorter than its ``.metadata`` says, is
+    skipped too: each rank's upload is its own, so ``checkpoint.pt`` can be whole while another
+    rank's shard never arrived (``_shards_lack``). A storage error
     is not a bad checkpoint: it is retried, then raised. Directories an older raypar named by
     Ray's timestamps say nothing of their progress: they are loaded, and given as the state.
     """
@@ -180,10 +186,40 @@ def _whole(directory: storage.Target) -> bool:
                 return False
             return True
 
-    if _retrying(central_directory, directory):
-        return True
-    _warn_once(directory, "its checkpoint.pt is incomplete (cut short while it was written)")
-    return False
+    if not _retrying(central_directory, directory):
+        _warn_once(directory, "its checkpoint.pt is incomplete (cut short while it was written)")
+        return False
+    lacking = _retrying(lambda: _shards_lack(directory), directory)
+    if lacking:
+        _warn_once(directory, lacking)
+        return False
+    return True
+
+
+def _shards_lack(directory: storage.Target) -> str | None:
+    """What an fsdp checkpoint's ``shards/`` lacks against its DCP ``.metadata`` (every shard
+    file it names, and the bytes each must hold), read without loading a tensor; None when whole
+    or when the checkpoint has no shards."""
+    shards = storage.join(directory, SHARDS_DIR)
+    present = storage.file_sizes(shards)
+    if not present:
+        return None
+    if SHARDS_METADATA not in present:
+        return f"its {SHARDS_DIR}/{SHARDS_METADATA} is missing"
+    try:
+        metadata = pickle.loads(storage.read_bytes(storage.join(shards, SHARDS_METADATA)))
+        needed: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError):
+        return f"its {SHARDS_DIR}/{SHARDS_METADATA} does not load (cut short while it was written)"
+    missing = [f"{SHARDS_DIR}/{name}" for name in sorted(needed) if name not in present]
+    if missing:
+        return f"its {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing (a rank's shard never arrived)"
+    short = [f"{SHARDS_DIR}/{n} ({present[n]} of {needed[n]} bytes)" for n in sorted(needed) if present[n] < needed[n]]
+    if short:
+        return f"its {', '.join(short)} {'is' if len(short) == 1 else 'are'} truncated"
+    return None
 
 
 def _read_whole(directory: storage.Target) -> TrainState | None:

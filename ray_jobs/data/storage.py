@@ -173,6 +173,15 @@ def list_dir(target: Target) -> list[str]:
     return sorted(info.base_name for info in filesystem.get_file_info(pafs.FileSelector(path)))
 
 
+def file_sizes(target: Target) -> dict[str, int]:
+    """The files directly under ``target`` and their sizes in bytes; empty when it does not exist."""
+    filesystem, path = resolve(target)
+    if filesystem.get_file_info(path).type != pafs.FileType.Directory:
+        return {}
+    infos = filesystem.get_file_info(pafs.FileSelector(path))
+    return {info.base_name: info.size for info in infos if info.type == pafs.FileType.File}
+
+
 def delete_dir(target: Target) -> None:
     filesystem, path = resolve(target)
     filesystem.delete_dir(path)

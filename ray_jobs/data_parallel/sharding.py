@@ -34,12 +34,11 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from ray_jobs.core.checkpoint import TrainState
+from ray_jobs.core.checkpoint import SHARDS_DIR, TrainState
 from ray_jobs.core.evaluation import chunk_sums, my_chunks, num_chunks
 from ray_jobs.data import storage
 from ray_jobs.data_parallel.wrap import Replicas
 
-SHARDS_DIR = "shards"  # a checkpoint's torch.distributed.checkpoint files: one per rank, and .metadata
 FULL = StateDictOptions(full_state_dict=True)
 # Gathered on world rank 0 only, and onto its CPU: no rank ever holds the whole model on its device.
 FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)

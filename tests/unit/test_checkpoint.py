@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -193,3 +195,50 @@ def test_a_sharded_fsdp_checkpoint_is_refused_by_strategies_that_read_whole_weig
     state = TrainState({}, {}, 2, sharded=True)
     with pytest.raises(ValueError, match="written by fsdp.*resume this run with python -m ray_jobs.fsdp"):
         slice_state(state, {"net1.weight"}, 0, 2)
+
+
+def write_sharded(run_dir, epochs: int, num_ranks: int = 2) -> str:
+    """An fsdp checkpoint as the ranks leave it: ``checkpoint.pt`` without tensors, and ``shards/``
+    with one DCP file per rank, each named in ``.metadata`` with its extent. One process writes
+    rank 0's file; the others are its copies, entered in the metadata as DCP enters a rank's."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    directory = run_dir / checkpoint_name(epochs)
+    write_checkpoint(str(directory), TrainState({}, {}, epochs, [1.0] * epochs, sharded=True))
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore")
+        dcp.save({"model": {"w": torch.ones(64)}}, storage_writer=dcp.FileSystemWriter(str(directory / "shards")))
+    shards = directory / "shards"
+    for rank in range(1, num_ranks):  # the other ranks' files, named in the metadata as DCP would
+        shutil.copy(shards / "__0_0.distcp", shards / f"__{rank}_0.distcp")
+    metadata = torch.distributed.checkpoint.FileSystemReader(str(shards)).read_metadata()
+    for index, info in list(metadata.storage_data.items()):
+        for rank in range(1, num_ranks):
+            metadata.storage_data[dataclasses.replace(index, fqn=f"{index.fqn}.{rank}")] = dataclasses.replace(
+                info, relative_path=f"__{rank}_0.distcp"
+            )
+    (shards / ".metadata").write_bytes(pickle.dumps(metadata))
+    return str(shards)
+
+
+@pytest.mark.parametrize(
+    ("damage", "why"),
+    [
+        (lambda shards: os.remove(f"{shards}/__1_0.distcp"), "its shards/__1_0.distcp is missing"),
+        (lambda shards: os.truncate(f"{shards}/__1_0.distcp", 100), "its shards/__1_0.distcp (100 of"),
+        (lambda shards: os.remove(f"{shards}/.metadata"), "its shards/.metadata is missing"),
+        (lambda shards: os.truncate(f"{shards}/.metadata", 50), "its shards/.metadata does not load"),
+    ],
+    ids=["shard-missing", "shard-truncated", "metadata-missing", "metadata-truncated"],
+)
+def test_an_fsdp_checkpoint_lacking_a_rank_shard_is_skipped_before_any_load(tmp_path, capsys, damage, why):
+    """checkpoint.pt is whole, but a rank's shard never arrived (or arrived cut short): resume falls
+    back to the previous whole checkpoint, with one warning naming what was missing."""
+    write_sharded(tmp_path, 1)
+    damage(write_sharded(tmp_path, 2))
+    assert latest_progress(str(tmp_path)) == (1, 0)
+    assert latest_checkpoint(str(tmp_path)).epochs_completed == 1
+    (warning,) = capsys.readouterr().err.strip().splitlines()
+    assert warning.startswith(f"[raypar] warning: skipping checkpoint {tmp_path / checkpoint_name(2)}: {why}")
