@@ -1,10 +1,10 @@
 """Streaming ingest (``--ingest stream``): Parquet far larger than memory, read once per epoch.
 
-The driver reads only metadata (schema, row-group sizes and statistics) into a ``StreamDataset``.
-One ``WindowReader`` actor per run reads order contract v2's windows (``training.stream_windows``)
-in turn, validates and permutes each, and puts it in the object store once; every worker or
-stage on a node maps it from there (zero-copy numpy), so each row is read from storage once per
-epoch for the whole cluster and decoded once. The reader prefetches the next window while the
+The driver plans the stream from metadata alone (``stream_plan``). One ``WindowReader`` actor
+per run reads order contract v2's windows (``training.stream_windows``) in turn, validates and
+permutes each, and puts it in the object store once; every worker or stage on a node maps it from
+there (zero-copy numpy), so each row is read from storage once per epoch for the whole cluster and
+decoded once. The reader prefetches the next window while the
 current one is consumed, and drops its reference to windows behind: a process holds about two
 windows of decoded rows, whatever the dataset's size.
 
@@ -16,24 +16,30 @@ in memory, and a source turns indices into rows (``MemorySource``, ``StreamSourc
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import time
-import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 import torch
 
 from ray_jobs.data.device_copy import data_device
-from ray_jobs.data.order import epoch_order, stream_windows, window_permutation
-from ray_jobs.data.parquet import Dataset, data_columns, parquet_files, stored_num_classes, table_to_dataset
-from ray_jobs.data.storage import resolve
+from ray_jobs.data.order import stream_windows, window_permutation
+from ray_jobs.data.parquet import Dataset
+
+# The plan is re-exported (see __all__): the driver, evaluation and the bench import it from here.
+from ray_jobs.data.stream_plan import (
+    Block,
+    Footers,
+    StreamDataset,
+    decode_block,
+    epoch_indices,
+    plan_stream,
+    read_footers,
+    window_at,
+    window_starts,
+)
 from ray_jobs.errors import Failure
 
 # Windows whose object-store reference the reader keeps: the one being consumed, the one before
@@ -44,211 +50,26 @@ CACHED_WINDOWS = 3
 # minutes of silence is a reader that is stuck or storage that does not answer, not a slow read.
 READER_TIMEOUT_S = 600.0
 
-
-@dataclass(frozen=True)
-class Block:
-    """One Parquet row group: the unit the stream reads and shuffles."""
-
-    file: str
-    row_group: int
-    num_rows: int
-    compressed_bytes: int
-    label_max: int | None = None
-    """The target column's largest value per the row group's statistics (None: not stated)."""
-
-
-@dataclass
-class StreamDataset:
-    """What the metadata says of a dataset that is streamed, never loaded whole."""
-
-    filesystem: pafs.FileSystem
-    blocks: list[Block]
-    feature_column: str
-    target_column: str
-    task: str
-    in_features: int
-    out_features: int
-    num_classes: int | None
-    reason: str
-    uncompressed_bytes: int
-    window_rows: int = 65536
-    block_size: int | None = None
-    """A language model's tokens per input row (T); None for other tasks."""
-    tokenizer: str | None = None
-    """lm: the tokenizer's JSON spec from the files' metadata."""
-    ingest: str = field(default="stream", init=False)
-
-    # Cached: a source asks for them on every batch, and a dataset may have many row groups.
-    @functools.cached_property
-    def num_rows(self) -> int:
-        return sum(block.num_rows for block in self.blocks)
-
-    @functools.cached_property
-    def block_rows(self) -> list[int]:
-        return [block.num_rows for block in self.blocks]
-
-    @property
-    def file_bytes(self) -> int:
-        return sum(block.compressed_bytes for block in self.blocks)
-
-
-@dataclass
-class Footers:
-    """A dataset's Parquet files, each with its footer: read once, for ``--ingest auto``'s size and
-    the stream's plan (two requests per file on object storage)."""
-
-    filesystem: pafs.FileSystem
-    files: list[str]
-    metadata: list[pq.FileMetaData]
-
-    @property
-    def uncompressed_bytes(self) -> int:
-        """The data's decoded size from the metadata alone: what ``--ingest auto`` compares."""
-        return sum(meta.row_group(i).total_byte_size for meta in self.metadata for i in range(meta.num_row_groups))
-
-
-def read_footers(path: str) -> Footers:
-    filesystem, fs_path = resolve(path)
-    if filesystem.get_file_info(fs_path).type == pafs.FileType.NotFound:
-        raise ValueError(f"--data {path}: no such file or directory")
-    files = parquet_files(filesystem, fs_path)
-    return Footers(filesystem, files, [_metadata(filesystem, file) for file in files])
-
-
-def _metadata(filesystem: pafs.FileSystem, file: str) -> pq.FileMetaData:
-    try:
-        return pq.ParquetFile(file, filesystem=filesystem).metadata
-    except (pa.ArrowInvalid, OSError) as error:
-        raise ValueError(f"--data {file}: not readable as Parquet ({str(error).splitlines()[0]})") from None
-
-
-def plan_stream(
-    path: str,
-    feature_column: str,
-    target_column: str,
-    task: str,
-    num_classes: int | None,
-    window_rows: int,
-    footers: Footers | None = None,
-) -> StreamDataset:
-    """Everything the metadata can tell, checked before any Ray resource is asked for; ``footers``:
-    the files' footers when already read."""
-    footers = footers or read_footers(path)
-    filesystem, files = footers.filesystem, footers.files
-    if not files:
-        raise ValueError(f"--data {path}: no Parquet files")
-    blocks, first_schema, total = [], None, 0
-    columns = data_columns(footers.metadata[0].schema.to_arrow_schema(), feature_column, target_column, task)
-    for file, metadata in zip(files, footers.metadata):
-        schema = metadata.schema.to_arrow_schema()
-        for column in columns:
-            if column not in schema.names:
-                raise ValueError(f"--data {file}: column {column!r} is missing; it has {', '.join(schema.names)}")
-        mine = ", ".join(f"{column}: {schema.field(column).type}" for column in columns)
-        if first_schema is None:
-            first_schema = (file, mine)
-        elif mine != first_schema[1]:
-            raise ValueError(
-                f"--data: the files' schemas differ: {first_schema[0]} has {first_schema[1]}; {file} has {mine}"
-            )
-        for index in range(metadata.num_row_groups):
-            group = metadata.row_group(index)
-            statistics = _target_statistics(file, index, group, target_column) if target_column in columns else None
-            blocks.append(
-                Block(
-                    file,
-                    index,
-                    group.num_rows,
-                    sum(group.column(c).total_compressed_size for c in range(group.num_columns)),
-                    _label_max(statistics),
-                )
-            )
-            total += group.total_byte_size
-    if not any(block.num_rows for block in blocks):
-        raise ValueError("the dataset has no rows")
-    # Widths, task and classes from the first row group with rows, decoded alone: the one data read.
-    first = next(block for block in blocks if block.num_rows)
-    sample = decode_block(filesystem, first, feature_column, target_column, task, num_classes)
-    classes = _num_classes(filesystem, files, blocks, sample, num_classes)
-    if classes != sample.num_classes:
-        sample = decode_block(filesystem, first, feature_column, target_column, task, classes)
-    largest = max(block.num_rows for block in blocks)
-    if largest > window_rows:
-        warnings.warn(
-            f"--data: a row group of {largest} rows is larger than --shuffle-window-rows {window_rows}, so "
-            "every window is one row group; raise the window, or rewrite the data with smaller row groups: "
-            "python -m ray_jobs.data reshard --row-group-rows R",
-            stacklevel=2,
-        )
-    return StreamDataset(
-        filesystem,
-        blocks,
-        feature_column,
-        target_column,
-        sample.task,
-        sample.in_features,
-        sample.out_features,
-        sample.num_classes,
-        sample.reason,
-        total,
-        window_rows,
-        sample.block_size,
-        sample.tokenizer,
-    )
-
-
-def _target_statistics(file: str, index: int, group, target_column: str):
-    """A scalar target column's statistics in this row group (None for a list column, or none
-    written); nulls they show are an error found before training."""
-    statistics = next(
-        (
-            group.column(c).statistics
-            for c in range(group.num_columns)
-            if group.column(c).path_in_schema == target_column
-        ),
-        None,
-    )
-    if statistics is not None and statistics.has_null_count and statistics.null_count:
-        raise ValueError(
-            f"--data {file} row group {index}: column {target_column!r} has "
-            f"{statistics.null_count} null rows; every row needs a value"
-        )
-    return statistics
-
-
-def _label_max(statistics) -> int | None:
-    if statistics is None or not statistics.has_min_max or not isinstance(statistics.max, int):
-        return None
-    return statistics.max
-
-
-def _num_classes(filesystem, files: list[str], blocks: list[Block], sample: Dataset, stated: int | None) -> int | None:
-    """K without reading the labels: the flag, the files' metadata, else the row groups' max statistics."""
-    if sample.task != "classification" or stated is not None:
-        return sample.num_classes
-    stored = stored_num_classes(filesystem, files)
-    if stored is not None:
-        return stored
-    unstated = next((block for block in blocks if block.label_max is None), None)
-    if unstated is not None:
-        raise ValueError(
-            f"--data {unstated.file} row group {unstated.row_group} has no label statistics: state "
-            "--num-classes (a stream cannot read every label first)"
-        )
-    return max(block.label_max for block in blocks) + 1
-
-
-def decode_block(
-    filesystem, block: Block, feature_column: str, target_column: str, task: str, num_classes: int | None
-) -> Dataset:
-    """One row group, read, validated and decoded; a problem names its file and row group."""
-    try:
-        file = pq.ParquetFile(block.file, filesystem=filesystem)
-        columns = data_columns(file.schema_arrow, feature_column, target_column, task)
-        table = file.read_row_group(block.row_group, columns=columns)
-        return table_to_dataset(table, feature_column, target_column, task, num_classes)
-    except (ValueError, pa.ArrowInvalid) as error:
-        raise ValueError(f"--data {block.file} row group {block.row_group}: {error}") from None
+__all__ = [
+    "CACHED_WINDOWS",
+    "READER_TIMEOUT_S",
+    "Block",
+    "Footers",
+    "MemorySource",
+    "StreamDataset",
+    "StreamSource",
+    "WindowReader",
+    "decode_block",
+    "epoch_indices",
+    "open_source",
+    "plan_stream",
+    "read_footers",
+    "reader_stats",
+    "start_reader",
+    "stream_reader",
+    "window_at",
+    "window_starts",
+]
 
 
 class WindowReader:
@@ -382,18 +203,6 @@ def start_reader(dataset: StreamDataset, seed: int, shuffle: bool, num_epochs: i
     )
 
 
-def window_at(dataset: StreamDataset, seed: int, epoch: int, shuffle: bool, position: int) -> int:
-    """The window of epoch ``epoch`` that holds position ``position``: from the metadata alone."""
-    return int(torch.searchsorted(window_starts(dataset, seed, epoch, shuffle), position, right=True)) - 1
-
-
-def window_starts(dataset: StreamDataset, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
-    """Each window's first position in epoch ``epoch``'s order, and the epoch's length last."""
-    windows = stream_windows(dataset.block_rows, seed, epoch, shuffle, dataset.window_rows)
-    sizes = [sum(dataset.block_rows[b] for b in window) for window in windows]
-    return torch.tensor([0, *np.cumsum(sizes).tolist()], dtype=torch.int64)
-
-
 def reader_stats(reader) -> dict[str, int]:
     """``bytes_read`` by the run's reader; nothing without one."""
     if reader is None:
@@ -401,14 +210,6 @@ def reader_stats(reader) -> dict[str, int]:
     import ray
 
     return ray.get(reader.stats.remote(), timeout=READER_TIMEOUT_S)
-
-
-def epoch_indices(dataset, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
-    """What a source takes for epoch ``epoch``, in order: row indices in memory (contract v1),
-    stream indices when streaming (contract v2's order is applied by the reader)."""
-    if isinstance(dataset, StreamDataset):
-        return torch.arange(dataset.num_rows, dtype=torch.int64) + epoch * dataset.num_rows
-    return epoch_order(dataset.num_rows, seed, epoch, shuffle)
 
 
 class MemorySource:

@@ -41,6 +41,7 @@ WORKER_SIDE = [
     "ray_jobs.data_parallel.sharding",
     "ray_jobs.pipeline.stage",
     "ray_jobs.data.stream",
+    "ray_jobs.data.stream_plan",
 ]
 NO_RAY_ROOMS = ("models", "core")
 

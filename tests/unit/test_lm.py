@@ -174,7 +174,7 @@ def test_peak_flops_by_device_name_and_mfu():
 
 
 def test_token_data_reads_whole_or_streamed_the_same(tmp_path):
-    from ray_jobs.data.stream import decode_block, plan_stream
+    from ray_jobs.data.stream_plan import decode_block, plan_stream
 
     path = write_tokens(str(tmp_path / "tokens.parquet"), rows=10, block_size=6, row_group_rows=4)
     whole = read_dataset(path)

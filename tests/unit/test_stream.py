@@ -8,10 +8,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from ray_jobs.core.config import TrainConfig
-from ray_jobs.data import stream
+from ray_jobs.data import stream_plan
 from ray_jobs.data.__main__ import main as data_main
 from ray_jobs.data.parquet import write_table
-from ray_jobs.data.stream import StreamDataset
+from ray_jobs.data.stream_plan import StreamDataset
 from ray_jobs.driver.prepare import prepare
 from tests.helpers import (
     block_rows,
@@ -37,7 +37,7 @@ def test_the_driver_reads_metadata_only(cfg, monkeypatch, capsys):
 
 
 def test_auto_ingest_picks_by_uncompressed_size(cfg, capsys, monkeypatch):
-    read_metadata = stream._metadata
+    read_metadata = stream_plan._metadata
     assert prepare(with_(cfg, ingest="auto"), "ddp").dataset.ingest == "memory"
     assert (
         "ingest: memory (the data is 0.0 MiB uncompressed, at most --memory-ingest-limit-mb 1024)"
@@ -45,7 +45,7 @@ def test_auto_ingest_picks_by_uncompressed_size(cfg, capsys, monkeypatch):
     )
     footers = []
     monkeypatch.setattr(
-        stream, "_metadata", lambda filesystem, file: footers.append(file) or read_metadata(filesystem, file)
+        stream_plan, "_metadata", lambda filesystem, file: footers.append(file) or read_metadata(filesystem, file)
     )
     assert (
         prepare(with_(cfg, ingest="auto", memory_ingest_limit_mb=0.001, name="small"), "ddp").dataset.ingest == "stream"
