@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
-import ray.cloudpickle
 import torch
 from torch import nn
 
@@ -146,5 +145,8 @@ def ship_model_code(name: str) -> Callable[..., nn.Module]:
         path = getattr(module, "__file__", None)
         installed = path is None or any(part in path for part in ("site-packages", "dist-packages"))
         if not installed:
+            # imported here so that predict and generate, which load a run through this, start without Ray
+            import ray.cloudpickle
+
             ray.cloudpickle.register_pickle_by_value(module)
     return factory

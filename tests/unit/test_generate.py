@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +17,7 @@ from ray_jobs.data.tokenizer import EOT_TEXT, ByteTokenizer, train_bpe
 from ray_jobs.generate import main
 from ray_jobs.predict.generate import LanguageModel, Sampling, sample
 
+REPO = Path(__file__).resolve().parents[2]
 GPT = {"name": "gpt", "in_features": 257, "out_features": 257, "n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8}
 
 
@@ -171,6 +175,18 @@ def test_bad_input_is_one_error_line(tmp_path, capsys, monkeypatch):
     assert code == 2 and "does not fit the model" in err  # gpt's default widths are not these weights'
     code, _, err = run(capsys, str(tmp_path / "user"), "--model", "tests.unit.test_generate:tiny_lm", *prompt)
     assert code == 0, err
+
+
+def test_generate_runs_without_importing_ray(tmp_path):
+    """Ray's import (0.3 to 0.8 s here, issue #39) would be start-up time that sampling never uses."""
+    lm_run(tmp_path / "run")
+    code = (
+        "import sys; from ray_jobs.generate import main; "
+        f"code = main([{str(tmp_path / 'run')!r}, '--max-new-tokens', '2']); "
+        "print(code, *(m for m in sys.modules if m.split('.')[0] == 'ray'))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert result.stdout.splitlines()[-1].split() == ["0"], result.stdout
 
 
 def tiny_lm(in_features: int, out_features: int, **options) -> torch.nn.Module:
