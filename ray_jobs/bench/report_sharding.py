@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray_jobs.bench.report import fmt, markdown_table, workload_line
+from ray_jobs.bench.report_tables import fmt, markdown_table, workload_line
 
 KIB = 1024
 

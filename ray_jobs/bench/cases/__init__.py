@@ -1,7 +1,7 @@
 """What the bench measures, one module per case. A case is a function of the bench run (``Bench``:
 its suite, data files and log) and of the results of the cases run before it; it returns its
 section of ``bench.json``. A new case is a module here and an entry in ``CASES``, plus its section
-in ``report.py`` and any target in ``stats.targets``."""
+in a ``report_<case>.py`` (added to ``report.render``) and any target in ``stats.targets``."""
 
 from __future__ import annotations
 
