@@ -113,15 +113,21 @@ class Predictor:
     def __call__(self, batch: pa.Table) -> pa.Table:
         if not batch.num_rows:  # an empty file's block: fixed_width refuses a column of no rows
             return output_schema(batch.schema, self.task).empty_table()
-        features = torch.from_numpy(fixed_width(batch.column(self.feature_column), self.feature_column))
         with torch.no_grad():
-            out = self.model(features.to(self.device)).float().cpu()
+            out = self.model(self._features(batch)).float().cpu()
         fields = prediction_fields(self.task)
         if self.task == "classification":
             probabilities = torch.softmax(out, dim=1).numpy()
             batch = batch.append_column(fields[0], pa.array(out.argmax(dim=1).numpy()))
             return batch.append_column(fields[1], _lists(probabilities))
         return batch.append_column(fields[0], _lists(out.numpy()))
+
+    def _features(self, batch: pa.Table) -> torch.Tensor:
+        matrix = fixed_width(batch.column(self.feature_column), self.feature_column)
+        # float32 lists arrive as a read-only view of Arrow's buffer: a model that writes its input in
+        # place (ReLU(inplace=True)) would write the batch, and torch warns of it, so that view alone is copied
+        features = torch.from_numpy(matrix) if matrix.flags.writeable else torch.tensor(matrix)
+        return features.to(self.device)
 
 
 def _lists(matrix: np.ndarray) -> pa.Array:

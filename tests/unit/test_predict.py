@@ -1,18 +1,20 @@
-"""``python -m ray_jobs.predict``: bad input is one ``error:`` line, before Ray."""
+"""``python -m ray_jobs.predict``: bad input is one ``error:`` line, before Ray; an actor reads Arrow rows as given."""
 
 from __future__ import annotations
 
 import io
 import json
+import warnings
 
 import pyarrow as pa
 import pytest
 import torch
 
 from models import build_model
+from ray_jobs.data import storage
 from ray_jobs.predict import job as predict
-from ray_jobs.predict.inference import check_output, split_cpus, write_parquet
-from ray_jobs.predict.trained import load_run
+from ray_jobs.predict.inference import Predictor, check_output, split_cpus, write_parquet
+from ray_jobs.predict.trained import TrainedModel, load_run
 from tests.helpers import fake_run, write_parts
 
 
@@ -183,3 +185,38 @@ def test_a_language_models_run_is_sent_to_generate():
 
     with pytest.raises(ValueError, match=r"language model's run: .* python -m ray_jobs.generate runs/lm --prompt TEXT"):
         run_task({"task": "lm"}, "runs/lm")
+
+
+def writes_its_input(in_features: int, out_features: int) -> torch.nn.Module:
+    """A user's model whose first layer writes its input in place."""
+    return torch.nn.Sequential(torch.nn.ReLU(inplace=True), torch.nn.Linear(in_features, out_features))
+
+
+@pytest.fixture
+def warn_always():
+    """torch warns of a read-only NumPy array once per process: an earlier test may have used it up."""
+    before, threads = torch.is_warn_always_enabled(), torch.get_num_threads()
+    torch.set_warn_always(True)
+    yield
+    torch.set_warn_always(before)
+    torch.set_num_threads(threads)  # Predictor sets its actor's process to one thread
+
+
+@pytest.mark.parametrize("value_type", [pa.float32(), pa.float64()])
+def test_the_predictor_reads_arrow_rows_without_a_warning_and_never_writes_them(tmp_path, warn_always, value_type):
+    torch.manual_seed(0)
+    model = writes_its_input(2, 3)
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    (tmp_path / "model.pt").write_bytes(buffer.getvalue())
+    record = {"name": "tests.unit.test_predict:writes_its_input", "in_features": 2, "out_features": 3}
+    trained = TrainedModel(record, "regression", storage.locate(str(tmp_path / "model.pt")), writes_its_input)
+    rows = [[-1.0, 2.0], [3.0, -4.0]]
+    batch = pa.table({"x": pa.array(rows, type=pa.list_(value_type))})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = Predictor(trained, "x", use_gpu=False)(batch)
+    assert got.column("x").to_pylist() == rows  # the model's ReLU wrote a copy, not Arrow's buffer
+    with torch.no_grad():
+        expected = model(torch.tensor(rows))
+    assert got.column("prediction").to_pylist() == expected.tolist()
