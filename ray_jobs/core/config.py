@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from models import MODELS, is_user_model
 from ray_jobs.core.lr_schedule import LR_SCHEDULES
+from ray_jobs.data.cli import ArgumentParser as ArgumentParser  # where the entry points have always found it
 
 OPTIMIZERS = ("sgd", "adamw")
 TASKS = ("auto", "regression", "classification", "lm")
@@ -470,13 +471,6 @@ def require_divisible(batch_size: int, parts: int, flag: str) -> None:
 
 
 Config = TypeVar("Config")
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one line, without the usage block."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def add_flags(parser: argparse.ArgumentParser, cls: type, default_group: str = "placement") -> None:

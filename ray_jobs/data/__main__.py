@@ -12,8 +12,8 @@ import sys
 
 import pyarrow as pa
 
-from ray_jobs.core.config import ArgumentParser
 from ray_jobs.data import tokenized
+from ray_jobs.data.cli import ArgumentParser
 from ray_jobs.data.parquet import ROW_GROUP_ROWS, TASKS, reshard, synthesize, write_table
 
 

@@ -132,3 +132,11 @@ def test_models_and_core_use_no_ray(module):
         name for name in GRAPH[module] if name.split(".")[0] == "ray" or name.startswith("torch.distributed")
     )
     assert not banned, f"{module} imports {banned}"
+
+
+def test_the_data_command_line_imports_nothing_above_data():
+    # As an entry point, data/__main__ passes test_imports_run_down whatever it imports; but writing training
+    # data needs nothing above data (the parser it shares with core's flags lives in data for this).
+    targets = filter(None, map(ours, GRAPH["ray_jobs.data.__main__"]))
+    above = sorted({t for t in targets if room(t) in RANKS and RANKS[room(t)] < RANKS["data"]})
+    assert not above, f"ray_jobs.data.__main__ imports {above}"
