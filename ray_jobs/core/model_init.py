@@ -17,6 +17,10 @@ from models.lm import logits_of
 from ray_jobs.core.config import TrainConfig
 from ray_jobs.data.parquet import Dataset
 
+# Layers the not-reproducible warning names per reason, the rest counted: the first few say where to look,
+# while all of a 24-layer GPT-2's 72 dropouts in one line buried the reason.
+SHOWN_LAYERS = 3
+
 
 def model_options(cfg: TrainConfig, dataset) -> dict[str, Any]:
     """The model's options: the flags', and for the built-in gpt on token data a ``block_size``
@@ -49,11 +53,21 @@ def warn_not_reproducible(cfg: TrainConfig, dataset, factory, strategy: str, syn
     single-process weights (``synced``: layer types the strategy makes exact, SyncBatchNorm's)."""
     with torch.device("meta"):
         model = make_model(cfg, dataset, factory)
-    found = [f"{layer} {why}" for layer, why, kind in not_reproducible_layers(model) if not issubclass(kind, synced)]
-    if found:
-        warnings.warn(
-            f"{strategy} trains this model but cannot match single-process weights: {'; '.join(found)}", stacklevel=2
-        )
+    by_reason: dict[str, list[str]] = {}
+    for layer, why, kind in not_reproducible_layers(model):
+        if not issubclass(kind, synced):
+            by_reason.setdefault(why, []).append(layer)
+    if by_reason:
+        found = "; ".join(_layers_that(why, layers) for why, layers in by_reason.items())
+        warnings.warn(f"{strategy} trains this model but cannot match single-process weights: {found}", stacklevel=2)
+
+
+def _layers_that(why: str, layers: list[str]) -> str:
+    """``layers`` and ``why`` for the warning: one layer by name, several as their count and the first few."""
+    if len(layers) == 1:
+        return f"{layers[0]} {why}"
+    shown = ", ".join(layers[:SHOWN_LAYERS]) + (", …" if len(layers) > SHOWN_LAYERS else "")
+    return f"{len(layers)} layers ({shown}): each {why}"
 
 
 def initial_model(cfg: TrainConfig, dataset: Dataset, factory: Callable[..., nn.Module] | None = None) -> nn.Module:

@@ -206,6 +206,25 @@ def test_ddp_warns_once_naming_the_layers_it_cannot_match(user_module, regressio
     assert "BatchNorm" not in str(caught[0].message)
 
 
+@pytest.mark.parametrize(
+    ("depth", "layers"),
+    [
+        (25, "24 layers (dropout0 (Dropout), dropout1 (Dropout), dropout2 (Dropout), …)"),
+        (4, "3 layers (dropout0 (Dropout), dropout1 (Dropout), dropout2 (Dropout))"),
+    ],
+)
+def test_many_layers_of_one_reason_are_counted_not_listed(regression_data, tmp_path, depth, layers):
+    cfg = TrainConfig(model="mlp", depth=depth, dropout=0.1, data=regression_data, storage_path=str(tmp_path))
+    prepared = prepare(cfg, "ddp")
+    with pytest.warns(UserWarning) as caught:
+        warn_not_reproducible(cfg, prepared.dataset, prepared.model_factory, "DDP")
+    assert len(caught) == 1
+    assert str(caught[0].message) == (
+        f"DDP trains this model but cannot match single-process weights: {layers}: each draws a random mask on "
+        "each worker"
+    )
+
+
 def test_val_data_with_a_streamed_training_set(regression_data, tmp_path):
     cfg = TrainConfig(data=regression_data, val_data=regression_data, ingest="stream", storage_path=str(tmp_path))
     prepared = prepare(cfg, "ddp")
