@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -100,6 +102,15 @@ def test_flags_round_trip():
     assert (cfg.shuffle, cfg.epochs, cfg.depth, cfg.hidden) == (False, 5, 3, None)
     assert (scaling.use_gpu, scaling.gpus_per_worker) == (True, 0.5)
     assert from_args(TrainConfig, parser.parse_args([])) == TrainConfig()
+
+
+def test_train_config_keeps_its_flag_groups_in_help_order():
+    # TrainConfig is built from one dataclass per group: their fields must still come group by group,
+    # first to last, as --help, repr and summary.json have always listed them.
+    groups = [f.metadata["group"] for f in dataclasses.fields(TrainConfig)]
+    assert list(dict.fromkeys(groups)) == ["data", "model", "training", "checkpoints", "ingest", "placement"]
+    assert groups == sorted(groups, key=groups.index)  # no group split in two
+    assert [f.name for f in dataclasses.fields(TrainConfig)][:3] == ["data", "feature_column", "target_column"]
 
 
 def test_epoch_order_is_the_distributed_sampler_order():
