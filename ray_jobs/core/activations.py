@@ -1,5 +1,6 @@
 """``--activation-checkpointing``: recompute each top-level block's forward in backward instead of
-keeping its activations, and the reading that tells what that saves (the bytes autograd holds).
+keeping its activations; and the one count of the bytes autograd holds for backward, which tells
+what checkpointing and ``--grad-accum-steps`` save, on any device (CPU has no allocator statistics).
 
 Pure torch, used inside every strategy's process: a DDP or FSDP worker, a pipeline stage.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -31,47 +33,58 @@ def checkpoint_activations(model: nn.Module) -> list[str]:
 
 
 class HeldForBackward:
-    """The bytes autograd holds for backward when a forward ends, counted by storage as tensors are
-    saved (``saved_tensors_hooks``), each storage once. Parameters are left out (they are held
-    anyway). Inside a checkpointed child torch's own hooks take the saved tensors, so what such a
-    child keeps is its input, kept for the recompute: every top-level child's tensor input is
-    counted too (without checkpointing its first op saves that input anyway, so the count is the
-    same). The recompute of one child in backward holds that child's activations again for a
-    while; this reading does not include them. ``observability.saved_tensors`` (the accumulation
-    bench's live count) sees neither what a checkpointed child saves nor the input it keeps, so
-    it cannot compare a checkpointed model with a plain one."""
+    """Live and peak bytes of the tensors autograd holds for backward, read through
+    ``saved_tensors_hooks`` while ``counting``.
+
+    Counted: every tensor a forward saves, from when it is saved until the graph that holds it is
+    freed (by backward); a tensor saved by several ops (a ReLU's output is the next Linear's input
+    too) once; a slice of the batch as its own bytes, not the batch it views. A checkpointed child
+    keeps only its input for the recompute, saved outside torch's own hooks, so that is what it
+    counts for. Not counted: the model's parameters (held anyway), the gradients of activations
+    alive during backward, and the activations a checkpointed child recomputes in backward."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.excluded = {param.untyped_storage().data_ptr() for param in model.parameters()}
-        self.held: dict[int, int] = {}
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.held.values())
-
-    def _add(self, tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in self.excluded:
-            self.held[storage.data_ptr()] = storage.nbytes()
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._add(tensor)
-        return tensor
-
-    def _inputs(self, _module: nn.Module, args: tuple) -> None:
-        for arg in args:
-            if isinstance(arg, torch.Tensor) and torch.is_grad_enabled():
-                self._add(arg)
+        self._parameters = {param.untyped_storage().data_ptr() for param in model.parameters()}
+        self._live: dict[tuple[int, int], int] = {}  # (address, bytes) of a saved tensor -> its saves alive
+        self.live_bytes = 0
+        self.peak_bytes = 0
 
     @contextlib.contextmanager
-    def counting(self):
-        """Count during the forward inside (``held`` starts empty)."""
-        self.held = {}
-        handles = [child.register_forward_pre_hook(self._inputs) for child in self.model.children()]
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor):
-                yield self
-        finally:
-            for handle in handles:
-                handle.remove()
+    def counting(self) -> Iterator[HeldForBackward]:
+        """Count what every forward inside saves; ``peak_bytes``: the most held at once since it began."""
+        self.peak_bytes = self.live_bytes
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+            yield self
+
+    def _pack(self, tensor: torch.Tensor) -> object:
+        if tensor.untyped_storage().data_ptr() in self._parameters:  # a weight, or a view of one
+            return tensor
+        key = (tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        if self._live.get(key, 0) == 0:
+            self.live_bytes += key[1]
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._live[key] = self._live.get(key, 0) + 1
+        return _Saved(self, key, tensor)
+
+    def _release(self, key: tuple[int, int]) -> None:
+        self._live[key] -= 1
+        if self._live[key] == 0:
+            self.live_bytes -= key[1]
+            del self._live[key]
+
+
+def _unpack(saved: object) -> torch.Tensor:
+    return saved.tensor if isinstance(saved, _Saved) else saved
+
+
+class _Saved:
+    """One saved tensor as the graph holds it: autograd drops it when it frees the graph (after
+    backward), and with it its bytes from the count."""
+
+    __slots__ = ("_counter", "_key", "tensor")
+
+    def __init__(self, counter: HeldForBackward, key: tuple[int, int], tensor: torch.Tensor) -> None:
+        self._counter, self._key, self.tensor = counter, key, tensor
+
+    def __del__(self) -> None:
+        self._counter._release(self._key)

@@ -1,5 +1,6 @@
-"""--activation-checkpointing: the same gradients as without it, dropout included, and less held
-for backward; and which children FSDP shards on their own."""
+"""--activation-checkpointing: the same gradients as without it, dropout included; the one count
+of the bytes autograd holds for backward (``core.activations.HeldForBackward``) against counts by
+hand, with and without checkpointing or accumulation; and which children FSDP shards on their own."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ from torch import nn
 
 from models import build_model
 from ray_jobs.core.activations import HeldForBackward, checkpoint_activations
+from ray_jobs.core.step import train_step
 from ray_jobs.data_parallel.sharding import shard_units
+
+FLOAT = 4  # bytes
 
 
 def _gradients(model: nn.Module, x: torch.Tensor, seed: int) -> dict[str, torch.Tensor]:
@@ -32,6 +36,37 @@ def test_checkpointed_blocks_give_the_same_gradients_bit_for_bit_dropout_include
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
 
 
+def test_a_forward_holds_its_inputs_and_activations_once_and_frees_them_with_its_graph():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    with HeldForBackward(model).counting() as saved:
+        loss = nn.functional.mse_loss(model(x), y)
+        # the first Linear's input x; the ReLU's output, which the second Linear saves too (once);
+        # the loss's input and target; the weights (parameters) not at all
+        held = 32 * (8 + 16 + 4 + 4) * FLOAT
+        assert saved.live_bytes == saved.peak_bytes == held
+        loss.backward()
+    assert saved.live_bytes == 0 and saved.peak_bytes == held
+    with saved.counting():  # counted again (the sharding bench, each step): the peak since it began
+        nn.functional.mse_loss(model(x[:16]), y[:16]).backward()
+    assert saved.live_bytes == 0 and saved.peak_bytes == held // 2
+
+
+def test_accumulation_holds_one_micro_step_of_activations_at_a_time():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 4))
+    x, y = torch.randn(64, 8), torch.randn(64, 4)
+    peaks = {}
+    for accum_steps in (1, 4):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        with HeldForBackward(model).counting() as saved:
+            train_step(model, optimizer, nn.MSELoss(), x, y, accum_steps=accum_steps)
+        peaks[accum_steps] = saved.peak_bytes
+    assert peaks[1] == 64 * (8 + 64 + 4 + 4) * FLOAT
+    assert peaks[4] == 16 * (8 + 64 + 4 + 4) * FLOAT  # each micro-step's graph is freed by its backward
+
+
 def test_a_checkpointed_gpt_like_stack_holds_less_for_backward():
     """Blocks of several ops each (as a transformer's): with checkpointing, only each block's
     input is held until backward."""
@@ -47,16 +82,16 @@ def test_a_checkpointed_gpt_like_stack_holds_less_for_backward():
     x = torch.randn(128, width)
     held = {}
     for name, model in (("plain", plain), ("checkpointed", checkpointed)):
-        counter = HeldForBackward(model)
-        with counter.counting():
+        with HeldForBackward(model).counting() as held_now:
             out = model(x)
-        held[name] = counter.bytes
+        held[name] = held_now.live_bytes
         out.sum().backward()
-    row_bytes = 128 * width * 4
+        assert held_now.live_bytes == 0 and held_now.peak_bytes == held[name]  # the checkpoint's inputs freed too
+    row_bytes = 128 * width * FLOAT
     assert held["checkpointed"] == 4 * row_bytes  # each block's input, the batch's included
     # without, per block: the LayerNorm's input (1 width) and its mean and rstd (1 float each per
     # row), the first Linear's input (1), the GELU's input (4) and the second Linear's input (4)
-    assert held["plain"] == 4 * (10 * row_bytes + 2 * 128 * 4)
+    assert held["plain"] == 4 * (10 * row_bytes + 2 * 128 * FLOAT)
 
 
 def test_fsdp_shards_each_child_alone_unless_it_shares_a_parameter():

@@ -4,7 +4,7 @@ activations one worker's step holds for backward at its peak.
 
 The throughput and the RSS come from the DDP fits. The activations are read in the bench's own
 process, one worker's step replayed outside Ray: ``core.step.train_step`` (the function the
-workers run) on that worker's share of a global batch, under ``saved_tensor_bytes``; it is
+workers run) on that worker's share of a global batch, under ``core.activations.HeldForBackward``; it is
 deterministic, where RSS also holds torch's, Ray's and the data's hundreds of MiB."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from ray_jobs.bench.cases.common import Bench
 from ray_jobs.bench.cases.data_parallel import max_workers, raypar_data_parallel
 from ray_jobs.bench.stats import ratio, summarise
 from ray_jobs.bench.suites import Workload
+from ray_jobs.core.activations import HeldForBackward
 from ray_jobs.core.step import build_optimizer, loss_function, train_step
 from ray_jobs.data.parquet import synthesize, write_table
-from ray_jobs.observability.saved_tensors import saved_tensor_bytes
 
 # K=1 first, then the issue's K=4, in each repetition.
 ACCUM_STEPS = (1, 4)
@@ -68,7 +68,7 @@ def accumulation_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
 
 
 def step_saved_bytes(work: Workload, num_workers: int, accum_steps: int) -> int:
-    """Peak bytes one worker's optimizer step holds for backward (``saved_tensor_bytes``): the
+    """Peak bytes one worker's optimizer step holds for backward (``HeldForBackward``): the
     model of ``work`` on a worker's share of the global batch (random rows: the bytes do not
     depend on the values), in ``accum_steps`` micro-steps, as ``train_step`` takes it."""
     cfg = work.config(data="", storage_path="", name="saved-activations")  # its optimizer
@@ -76,7 +76,7 @@ def step_saved_bytes(work: Workload, num_workers: int, accum_steps: int) -> int:
     model = build_model(work.model, work.in_features, work.out_features, hidden=work.hidden, depth=work.depth)
     rows = work.batch_size // num_workers
     x, y = torch.randn(rows, work.in_features), torch.randn(rows, work.out_features)
-    with saved_tensor_bytes(model.parameters()) as saved:
+    with HeldForBackward(model).counting() as saved:
         train_step(
             model, build_optimizer(model.parameters(), cfg), loss_function("regression"), x, y, accum_steps=accum_steps
         )

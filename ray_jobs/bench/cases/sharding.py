@@ -102,7 +102,7 @@ def activation_memory(shape: GPTShape) -> dict[str, Any]:
             seconds.append(time.perf_counter() - began)
             model.zero_grad(set_to_none=True)
         sides["checkpointed" if checkpointed else "plain"] = {
-            "saved_bytes": counter.bytes,
+            "saved_bytes": counter.peak_bytes,
             "step_seconds": stats(seconds[1:]),
         }
     return {
