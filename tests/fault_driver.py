@@ -9,11 +9,16 @@ import sys
 
 from ray_jobs import ddp
 from ray_jobs.core.config import WorkerScaling
+from ray_jobs.data_parallel import fsdp
 from ray_jobs.driver.entry import entry_point, exit_process
 from ray_jobs.pipeline import trainer as pipeline
 from ray_jobs.testing.faults import Faults
 
-STRATEGIES = {"ddp": (ddp, WorkerScaling), "pipeline": (pipeline, pipeline.PipelineScaling)}
+STRATEGIES = {
+    "ddp": (ddp, WorkerScaling),
+    "fsdp": (fsdp, fsdp.ShardedScaling),
+    "pipeline": (pipeline, pipeline.PipelineScaling),
+}
 
 
 def main(argv: list[str]) -> int:

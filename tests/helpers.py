@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import torch
 from torch import nn
 
@@ -170,6 +171,15 @@ def assert_same_weights(got: dict, expected: dict, exact: bool = False) -> None:
             # gloo all-reduce averages the workers' shard gradients, a different summation order
             # than one full-batch mean: float32 rounding (~1e-7 per step) over a few dozen steps.
             torch.testing.assert_close(got[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def assert_trains_the_reference(summary: TrainSummary, cfg: TrainConfig, init_state: dict | None = None) -> None:
+    """The run's ``model.pt`` and per-epoch losses are the single-process reference's for ``cfg``,
+    from ``init_state`` when given (weights: ``assert_same_weights``' tolerance; losses: the same
+    float32 sums over the workers' slices, in another order)."""
+    expected_weights, expected_losses = reference_for(cfg, init_state)
+    assert_same_weights(load_weights(summary.run_dir), expected_weights)
+    assert summary.losses == pytest.approx(expected_losses, rel=1e-5)
 
 
 def with_(cfg: TrainConfig, **changes) -> TrainConfig:

@@ -1,7 +1,8 @@
 """Losing a node for real: a worker node of a local multi-node cluster is preempted mid-run (every
 process of it SIGKILLed at once, ``python -m cluster.local preempt``), and the run still ends with
-the single-process reference's weights; an elastic run also grows back once the node returns
-(``python -m cluster.local rejoin``).
+the single-process reference's weights: a pipeline stage is replaced; an elastic ddp or fsdp run
+goes on at the smaller worker count, and ddp also grows back once the node returns (``python -m
+cluster.local rejoin``).
 
 The cluster's ports are free ones picked at run time, so it never meets the shared cluster.
 """
@@ -201,4 +202,27 @@ def test_elastic_ddp_shrinks_on_losing_a_node_and_grows_back_with_the_same_weigh
     assert record["world_size"] == num_nodes and record["resumed_from_epoch"] == 2
     assert len(set(record["worker_nodes"])) == num_nodes
     # the global batch is the same on any worker count; all-reduce order is the only difference
+    assert_same_weights(load_weights(str(Path(cfg.storage_path) / cfg.name)), reference_for(cfg)[0])
+
+
+def test_elastic_fsdp_goes_on_at_the_smaller_worker_count_after_losing_a_node(cluster_state, regression_data, tmp_path):
+    """The lost worker's shards are gone with it: the run resumes from the last checkpoint's shards,
+    resharded onto the workers left."""
+    num_nodes = len(alive_worker_nodes(cluster_state))
+    cfg, flags = config(regression_data, tmp_path, "seed-mlp")
+    output = run_losing_a_node(
+        cluster_state,
+        tmp_path,
+        "fsdp",
+        "RayTrainWorker",
+        [*flags, "--num-workers", str(num_nodes), "--min-workers", "1"],
+    )
+    assert f"resuming from the checkpoint after epoch 1 on {num_nodes - 1} worker(s)" in output
+    record = summary_of(cfg)
+    assert record["strategy"] == "fsdp" and record["world_size"] == num_nodes - 1
+    assert record["world_sizes"] == [
+        {"num_workers": num_nodes, "epoch": 0, "step": 0},
+        {"num_workers": num_nodes - 1, "epoch": 1, "step": 0},
+    ]
+    # reduce-scatter over fewer workers sums in another order: the tolerance of every strategy's test
     assert_same_weights(load_weights(str(Path(cfg.storage_path) / cfg.name)), reference_for(cfg)[0])

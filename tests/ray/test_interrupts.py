@@ -15,7 +15,7 @@ from ray.util.state import list_actors
 
 from ray_jobs.core.checkpoint import latest_checkpoint
 from ray_jobs.core.config import TrainConfig
-from tests.helpers import assert_same_weights, load_weights, reference_for, run_strategy
+from tests.helpers import assert_same_weights, assert_trains_the_reference, load_weights, reference_for, run_strategy
 
 pytestmark = pytest.mark.ray
 
@@ -91,7 +91,9 @@ def test_interrupt_stops_the_job_keeps_the_checkpoint_and_leaves_no_actor(ray_cl
     assert not (tmp_path / "run" / "model.pt").exists()
 
 
-def test_sigkilled_train_worker_resumes_with_the_reference_weights(ray_cluster, regression_data, tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_sigkilled_train_worker_resumes_with_the_reference_weights(ray_cluster, regression_data, tmp_path, strategy):
+    """fsdp: the restarted workers read the newest checkpoint's shards, the momentum buffers in them."""
     cfg = TrainConfig(
         model="seed-mlp",
         hidden=8,
@@ -105,7 +107,7 @@ def test_sigkilled_train_worker_resumes_with_the_reference_weights(ray_cluster, 
         name="killed",
     )
     outcome: dict = {}
-    thread = threading.Thread(target=lambda: outcome.update(summary=run_strategy("ddp", cfg, num_workers=2)))
+    thread = threading.Thread(target=lambda: outcome.update(summary=run_strategy(strategy, cfg, num_workers=2)))
     thread.start()
     deadline = time.monotonic() + WAIT_S
     while latest_checkpoint(str(tmp_path / "killed")) is None:
@@ -118,9 +120,7 @@ def test_sigkilled_train_worker_resumes_with_the_reference_weights(ray_cluster, 
     thread.join(timeout=WAIT_S * 2)
     summary = outcome["summary"]
     assert summary.resumed_from_epoch is not None and summary.epochs_completed == 6
-    expected_weights, expected_losses = reference_for(cfg)
-    assert_same_weights(load_weights(summary.run_dir), expected_weights)
-    assert summary.losses == pytest.approx(expected_losses, rel=1e-5)  # the epochs before come from the checkpoint
+    assert_trains_the_reference(summary, cfg)  # the epochs before come from the checkpoint
 
 
 def test_training_workers_holding_every_cpu_do_not_hang(ray_cluster, regression_data, tmp_path):

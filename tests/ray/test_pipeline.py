@@ -11,7 +11,14 @@ from models import build_model
 from ray_jobs.core.config import TrainConfig
 from ray_jobs.errors import TrainingFailed
 from ray_jobs.pipeline.scaling import PipelineScaling
-from tests.helpers import assert_same_weights, load_weights, reference_for, run_strategy, with_
+from tests.helpers import (
+    assert_same_weights,
+    assert_trains_the_reference,
+    load_weights,
+    reference_for,
+    run_strategy,
+    with_,
+)
 
 pytestmark = pytest.mark.ray
 
@@ -60,11 +67,9 @@ def test_matches_single_process_reference(ray_cluster, base, model, schedule, nu
         num_stages=num_stages, num_microbatches=num_microbatches, schedule=schedule, transport=transport
     )
     summary = run_strategy("pipeline", cfg, scaling=scaling)
-    expected_weights, expected_losses = reference_for(cfg)
     # Micro-batch gradients are summed (each loss divided by M) instead of taken from one
     # full-batch mean: float32 rounding differs per step. A missing 1/M would be off by M-fold.
-    assert_same_weights(load_weights(summary.run_dir), expected_weights)
-    assert summary.losses == pytest.approx(expected_losses, rel=1e-5)
+    assert_trains_the_reference(summary, cfg)
     record = json.loads(open(f"{summary.run_dir}/summary.json").read())
     assert record["strategy"] == "pipeline" and record["world_size"] == num_stages
     assert len(record["stage_nodes"]) == num_stages and "worker_nodes" not in record
@@ -79,9 +84,7 @@ def test_batches_per_call_changes_nothing(ray_cluster, base):
     cfg = with_(base, shuffle=True, batch_size=8, **MODELS["mlp-3"][0])
     scaling = PipelineScaling(num_stages=3, num_microbatches=4, schedule="1f1b", batches_per_call=5)
     summary = run_strategy("pipeline", cfg, scaling=scaling)
-    expected_weights, expected_losses = reference_for(cfg)
-    assert_same_weights(load_weights(summary.run_dir), expected_weights)  # tolerance: as above
-    assert summary.losses == pytest.approx(expected_losses, rel=1e-5)
+    assert_trains_the_reference(summary, cfg)  # tolerance: as above
 
 
 def test_classification_and_adamw(ray_cluster, base, classification_data):

@@ -18,8 +18,7 @@ from ray_jobs.driver.prepare import prepare
 from ray_jobs.errors import Failure, TrainingFailed
 from ray_jobs.pipeline.scaling import PipelineScaling
 from tests.helpers import (
-    assert_same_weights,
-    load_weights,
+    assert_trains_the_reference,
     plain_validation,
     reference_for,
     run_strategy,
@@ -64,10 +63,8 @@ def test_streaming_trains_the_reference_weights(ray_cluster, cfg, tmp_path, stra
         (tmp_path / "labels").mkdir()
         cfg = with_(cfg, data=write_parts(tmp_path / "labels", "classification"))
     summary = run_strategy(strategy, cfg, **options)
-    expected_weights, expected_losses = reference_for(cfg)
     # as in memory: the gradient's summation order differs from one full-batch mean
-    assert_same_weights(load_weights(summary.run_dir), expected_weights)
-    assert summary.losses == pytest.approx(expected_losses, rel=1e-5)
+    assert_trains_the_reference(summary, cfg)
     record = json.loads(open(f"{summary.run_dir}/summary.json").read())
     assert record["ingest"] == "stream" and record["resumed_from_step"] is None
     file_bytes = sum(f.stat().st_size for f in Path(cfg.data).glob("*.parquet"))
@@ -90,9 +87,7 @@ def test_a_kill_after_a_mid_epoch_checkpoint_resumes_at_that_step(ray_cluster, c
     # 7 global batches an epoch: checkpoints after steps 2, 4 and 6; the kill comes after step 3.
     summary = run_strategy(strategy, cfg, crash_at_epoch=1, crash_at_step=3, **options)
     assert (summary.resumed_from_epoch, summary.resumed_from_step) == (1, 2)
-    expected_weights, expected_losses = reference_for(cfg)
-    assert_same_weights(load_weights(summary.run_dir), expected_weights)
-    assert summary.losses == pytest.approx(expected_losses, rel=1e-5)
+    assert_trains_the_reference(summary, cfg)
 
 
 @pytest.mark.ray

@@ -15,6 +15,7 @@ from ray_jobs.data.parquet import synthesize, write_table
 from ray_jobs.pipeline import trainer as pipeline
 from tests.helpers import (
     assert_same_weights,
+    assert_trains_the_reference,
     load_weights,
     plain_validation,
     reference_for,
@@ -33,9 +34,7 @@ def run_and_compare(strategy: str, cfg: TrainConfig, size: int, **pipeline_optio
         else None
     )
     summary = run_strategy(strategy, cfg, size, scaling)
-    expected_weights, expected_losses = reference_for(cfg)
-    assert_same_weights(load_weights(summary.run_dir), expected_weights)
-    assert summary.losses == pytest.approx(expected_losses, rel=1e-5)  # all-reduce order, as in assert_same_weights
+    assert_trains_the_reference(summary, cfg)
     record = json.loads((Path(summary.run_dir) / "summary.json").read_text())
     build_model(**record["model"]).load_state_dict(load_weights(summary.run_dir))  # the summary alone rebuilds it
     val_x, val_y, _ = tensors(cfg.val_data)
