@@ -43,9 +43,8 @@ def cluster_state(tmp_path_factory):
 def alive_worker_nodes(state: dict) -> list[str]:
     """The worker nodes whose processes run, once Ray's view agrees (a node lost just before is
     marked dead ~15 s after it went)."""
-    running = sorted(
-        node["ip"] for node in state["nodes"] if node["ip"] != local.HEAD_NODE_IP and local.group_alive(node)
-    )
+    nodes = local.load_state(Path(state["state_dir"]))["nodes"]  # as recorded now: a rejoin records new processes
+    running = sorted(node["ip"] for node in nodes if node["ip"] != local.HEAD_NODE_IP and local.group_alive(node))
     deadline = time.monotonic() + WAIT_S
     while (
         seen := sorted(
