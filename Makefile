@@ -21,8 +21,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m cluster.demo
 
+# Two pytest workers: a tiny Ray Train fit keeps ~1.5 of the 2 cores busy (process starts), but the
+# multi-node tests mostly wait (a lost node is marked dead after ~15 s, the elastic policy looks
+# every 20 s); tests/cluster stays on one worker (tests/conftest.py), overlapping the rest.
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadgroup
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests/unit

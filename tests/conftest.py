@@ -34,6 +34,16 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cluster: starts its own local multi-node Ray cluster")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the test ids
+def pytest_collection_modifyitems(items):
+    """Under ``pytest -n 2 --dist loadgroup`` (``make test``) the multi-node tests run one after
+    another on one worker: they share module-scoped clusters, and each takes loopback addresses
+    from 127.0.0.2 up. Every other test may go to either worker, each with a local Ray of its own."""
+    for item in items:
+        if "tests/cluster/" in item.nodeid:
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster per test session: Ray start-up costs ~10 s here."""

@@ -26,12 +26,14 @@ def cfg(regression_data, tmp_path) -> TrainConfig:
     )
 
 
-def _leftovers() -> tuple[list, list]:
+def _leftovers(dashboard_url: str) -> tuple[list, list]:
+    """This session's Ray's placement groups and stage actors still alive; asked of its own
+    dashboard: another pytest worker's Ray runs beside it (`make test`)."""
     from ray.util import placement_group_table
     from ray.util.state import list_actors
 
     groups = [g for g in placement_group_table().values() if g["state"] not in ("REMOVED",)]
-    actors = list_actors(filters=[("class_name", "=", "StageWorker"), ("state", "=", "ALIVE")])
+    actors = list_actors(address=dashboard_url, filters=[("class_name", "=", "StageWorker"), ("state", "=", "ALIVE")])
     return groups, actors
 
 
@@ -43,7 +45,7 @@ def test_a_stage_that_dies_while_starting_leaves_nothing_and_is_retried(ray_clus
         r"--max-failures 0 exhausted",
     ):
         run_strategy("pipeline", cfg, scaling=PipelineScaling(num_stages=2), crash_at_start=True)
-    groups, actors = _leftovers()
+    groups, actors = _leftovers(ray_cluster.dashboard_url)
     assert groups == [] and actors == []  # in-process callers get no leaked placement group or actor
     summary = run_strategy(
         "pipeline",
@@ -63,7 +65,7 @@ def test_a_stages_own_error_is_the_one_line_not_a_retry(ray_cluster, cfg, transp
         run_strategy("pipeline", with_(cfg, max_failures=1), scaling=scaling, fail_at_epoch=1)
     # actor_calls used to show "step with micro-batches [...] still waiting for backward" instead.
     assert str(failed.value) == "stage 1: RuntimeError: injected fault"
-    assert _leftovers()[1] == []
+    assert _leftovers(ray_cluster.dashboard_url)[1] == []
 
 
 @pytest.mark.ray

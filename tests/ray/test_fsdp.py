@@ -166,7 +166,7 @@ def test_fsdp_bf16_matches_the_bf16_reference(ray_cluster, tmp_path, regression_
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=2e-3, msg=key)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "pipeline"])
+@pytest.mark.parametrize("strategy", ["ddp", "pipeline"])  # fsdp's: the GPT test below checkpoints every block
 def test_activation_checkpointing_trains_the_reference_weights(ray_cluster, tmp_path, regression_data, strategy):
     """Each top-level block recomputed in backward: the same weights as the reference (which
     keeps its activations), to the tolerance of the strategy without checkpointing."""
