@@ -117,23 +117,21 @@ def write_tokens(path: str, rows: int, block_size: int, vocab_size: int = 257, r
 GPT = ["n_layer=2", "n_head=2", "n_embd=16"]
 
 
+def run_config(data: str, tmp_path, **settings) -> TrainConfig:
+    """A test run's config: ``data`` trained into ``<tmp_path>/run``, everything else as given."""
+    return TrainConfig(**{"data": data, "storage_path": str(tmp_path), "name": "run", **settings})
+
+
+def scheduled_config(data: str, tmp_path, **settings) -> TrainConfig:
+    """``run_config`` with a cosine schedule, its warmup and a global-norm clip on, the settings
+    that share the step count across workers and stages; ``settings`` add to or override them."""
+    return run_config(data, tmp_path, **{"lr_schedule": "cosine", "warmup_steps": 2, "grad_clip_norm": 1.0, **settings})
+
+
 def lm_config(data: str, tmp_path, **changes) -> TrainConfig:
     """A few steps of the tiny gpt with a schedule, warmup and a clip; SGD (see tests/ray/test_lm.py)."""
-    settings = dict(
-        data=data,
-        model="gpt",
-        model_option=GPT,
-        epochs=1,
-        batch_size=8,
-        lr=0.5,
-        seed=4,
-        lr_schedule="cosine",
-        warmup_steps=2,
-        grad_clip_norm=1.0,
-        storage_path=str(tmp_path),
-        name="run",
-    )
-    return TrainConfig(**{**settings, **changes})
+    settings = {"model": "gpt", "model_option": GPT, "epochs": 1, "batch_size": 8, "lr": 0.5, "seed": 4}
+    return scheduled_config(data, tmp_path, **{**settings, **changes})
 
 
 # A streamed dataset's files: uneven row groups, 40 rows in groups of 7, 56 in 16, 24 in 5.

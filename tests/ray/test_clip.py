@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from ray_jobs.core.config import TrainConfig
 from ray_jobs.pipeline.scaling import PipelineScaling
-from tests.helpers import assert_same_weights, load_weights, reference_for, run_strategy
+from tests.helpers import assert_same_weights, load_weights, reference_for, run_strategy, scheduled_config
 
 pytestmark = pytest.mark.ray
 
@@ -28,22 +27,20 @@ CLIP = 0.05  # below this model's gradient norms on most steps: the clip acts (a
 )
 def test_the_global_norm_is_clipped_as_one_process_clips_it(ray_cluster, regression_data, tmp_path, strategy, options):
     accum = options.pop("accum", 1)
-    cfg = TrainConfig(
+    cfg = scheduled_config(
+        regression_data,
+        tmp_path,
         grad_accum_steps=accum,
         model="mlp",
         hidden=8,
         depth=3,
-        data=regression_data,
         epochs=3,
         batch_size=16,
         seed=3,
         momentum=0.9,
-        lr_schedule="cosine",
         warmup_steps=4,
         min_lr=0.005,
         grad_clip_norm=CLIP,
-        storage_path=str(tmp_path),
-        name="run",
     )
     summary = run_strategy(strategy, cfg, **options)
     norms: list[float] = []
