@@ -165,21 +165,22 @@ def check_writable(uri: str) -> None:
         ) from None
 
 
-def list_dir(target: Target) -> list[str]:
-    """Names directly under ``target``; empty when it does not exist."""
+def _entries(target: Target) -> list[pafs.FileInfo]:
+    """What lies directly under ``target``; empty when it is not a directory."""
     filesystem, path = resolve(target)
     if filesystem.get_file_info(path).type != pafs.FileType.Directory:
         return []
-    return sorted(info.base_name for info in filesystem.get_file_info(pafs.FileSelector(path)))
+    return filesystem.get_file_info(pafs.FileSelector(path))
+
+
+def list_dir(target: Target) -> list[str]:
+    """Names directly under ``target``; empty when it does not exist."""
+    return sorted(info.base_name for info in _entries(target))
 
 
 def file_sizes(target: Target) -> dict[str, int]:
     """The files directly under ``target`` and their sizes in bytes; empty when it does not exist."""
-    filesystem, path = resolve(target)
-    if filesystem.get_file_info(path).type != pafs.FileType.Directory:
-        return {}
-    infos = filesystem.get_file_info(pafs.FileSelector(path))
-    return {info.base_name: info.size for info in infos if info.type == pafs.FileType.File}
+    return {info.base_name: info.size for info in _entries(target) if info.type == pafs.FileType.File}
 
 
 def delete_dir(target: Target) -> None:

@@ -15,7 +15,15 @@ import uuid
 import pytest
 
 from ray_jobs.pipeline.scaling import PipelineScaling
-from tests.helpers import assert_same_weights, lm_config, load_weights, reference_for, run_strategy, write_tokens
+from tests.helpers import (
+    assert_same_weights,
+    assert_trains_the_reference,
+    lm_config,
+    load_weights,
+    reference_for,
+    run_strategy,
+    write_tokens,
+)
 
 pytestmark = pytest.mark.ray
 
@@ -34,10 +42,8 @@ pytestmark = pytest.mark.ray
 def test_every_strategy_trains_the_gpt_of_one_process(ray_cluster, tokens, tmp_path, strategy, options):
     cfg = lm_config(tokens, tmp_path, grad_accum_steps=options.pop("accum", 1))
     summary = run_strategy(strategy, cfg, **options)
-    expected, losses = reference_for(cfg)
     # Tolerance (assert_same_weights): gloo's all-reduce and the micro-batches sum in another order, float32.
-    assert_same_weights(load_weights(summary.run_dir), expected)
-    assert summary.losses == pytest.approx(losses, rel=1e-5)  # the same float sums, in another order
+    assert_trains_the_reference(summary, cfg)
     assert summary.task == "lm" and summary.block_size == 8
     assert summary.tokens_per_second == pytest.approx(summary.samples_per_second * 8)
 
