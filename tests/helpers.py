@@ -58,7 +58,7 @@ def run_strategy(strategy: str, cfg: TrainConfig, num_workers: int = 1, scaling=
     return dp.run(prepared, scaling or dp.DataParallelScaling(), injected)
 
 
-def reference_for(cfg: TrainConfig, init_state: dict | None = None, norms: list[float] | None = None):
+def reference_for(cfg: TrainConfig, init_state: dict | None = None, norms: list[float] | None = None, factory=None):
     """The single-process reference for a config, from the same data file; a streamed run's
     (``--ingest stream``) visits rows in order contract v2's order."""
     features, targets, out_features = tensors(cfg.data)
@@ -97,6 +97,7 @@ def reference_for(cfg: TrainConfig, init_state: dict | None = None, norms: list[
         norms=norms,
         **{k: getattr(cfg, k) for k in keys},
         **options,
+        **({"factory": factory} if factory is not None else {}),
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,6 +16,16 @@ from torch import nn
 from models import build_model, is_user_model, not_reproducible_layers
 from models.lm import logits_of
 from ray_jobs.core.config import TrainConfig
+from ray_jobs.core.pretrained import (
+    PREFIX,
+    NameMap,
+    Weights,
+    is_pretrained,
+    load_pretrained,
+    match_names,
+    params_on_meta,
+    read_source,
+)
 from ray_jobs.data.parquet import Dataset
 
 # Layers the not-reproducible warning names per reason, the rest counted: the first few say where to look,
@@ -51,8 +62,7 @@ def make_model(cfg: TrainConfig, dataset, factory: Callable[..., nn.Module] | No
 def warn_not_reproducible(cfg: TrainConfig, dataset, factory, strategy: str, synced: tuple[type, ...] = ()) -> None:
     """One warning naming the layers with which ``strategy`` trains, but cannot reproduce the
     single-process weights (``synced``: layer types the strategy makes exact, SyncBatchNorm's)."""
-    with torch.device("meta"):
-        model = make_model(cfg, dataset, factory)
+    model = probe_model(cfg, dataset, factory)
     by_reason: dict[str, list[str]] = {}
     for layer, why, kind in not_reproducible_layers(model):
         if not issubclass(kind, synced):
@@ -60,6 +70,14 @@ def warn_not_reproducible(cfg: TrainConfig, dataset, factory, strategy: str, syn
     if by_reason:
         found = "; ".join(_layers_that(why, layers) for why, layers in by_reason.items())
         warnings.warn(f"{strategy} trains this model but cannot match single-process weights: {found}", stacklevel=2)
+
+
+def probe_model(cfg: TrainConfig, dataset, factory: Callable[..., nn.Module] | None = None) -> nn.Module:
+    """The run's model with its parameters on the meta device, to look at, not to run: built in no
+    time and no memory. A user's function that loads weights itself (``from_pretrained``) refuses a
+    meta device, but not parameters moved there as they are registered."""
+    with params_on_meta():
+        return make_model(cfg, dataset, factory)
 
 
 def _layers_that(why: str, layers: list[str]) -> str:
@@ -70,13 +88,25 @@ def _layers_that(why: str, layers: list[str]) -> str:
     return f"{len(layers)} layers ({shown}): each {why}"
 
 
+@dataclass(frozen=True)
+class SafetensorsInit:
+    """Starting weights left in their safetensors files, for workers that each read only their own
+    slices (fsdp): the files' headers, and the model's names for their tensors."""
+
+    weights: Weights
+    names: NameMap
+
+
 def initial_model(cfg: TrainConfig, dataset: Dataset, factory: Callable[..., nn.Module] | None = None) -> nn.Module:
-    """The run's starting weights: ``--init-from`` if given, else ``manual_seed(seed)`` then build."""
+    """The run's starting weights: ``--init-from`` if given, else a ``hf:`` checkpoint's, else
+    ``manual_seed(seed)`` then build."""
     torch.manual_seed(cfg.seed)
     model = make_model(cfg, dataset, factory)
     if dataset.task == "lm":
         check_language_model(cfg, model, dataset)
-    if cfg.init_from is not None:
+    if loads_by_slice(cfg):
+        load_pretrained(model, *weights_source(cfg))
+    elif cfg.init_from is not None:
         state = load_state_dict_file(cfg.init_from)
         try:
             model.load_state_dict(state)
@@ -87,6 +117,44 @@ def initial_model(cfg: TrainConfig, dataset: Dataset, factory: Callable[..., nn.
                 f"{dataset.in_features} inputs and {dataset.out_features} outputs: {first}"
             ) from None
     return model
+
+
+def initial_slices(cfg: TrainConfig, dataset: Dataset, factory: Callable[..., nn.Module]) -> SafetensorsInit:
+    """A ``hf:`` checkpoint's (or a safetensors ``--init-from``'s) weights, checked against the model by
+    their headers alone, for workers to read by slice: nothing of the weights is read here."""
+    directory, files, what = weights_source(cfg)
+    weights = read_source(directory, files, what)
+    return SafetensorsInit(weights, match_names(probe_model(cfg, dataset, factory), weights, what))
+
+
+def weights_source(cfg: TrainConfig) -> tuple[str, list[str] | None, str]:
+    """Where safetensors starting weights are (``loads_by_slice``): directory, files (None: all the
+    directory's), and the flag that named them, for errors."""
+    if cfg.init_from is not None:
+        return *safetensors_source(cfg.init_from), f"--init-from {cfg.init_from}"
+    return cfg.model[len(PREFIX) :], None, f"--model {cfg.model}"
+
+
+def loads_by_slice(cfg: TrainConfig) -> bool:
+    """Whether the starting weights sit in safetensors files a sharded strategy can read by slice."""
+    if cfg.init_from is not None:
+        return is_safetensors(cfg.init_from)
+    return is_pretrained(cfg.model)
+
+
+def is_safetensors(path: str) -> bool:
+    """A safetensors file, or a directory (a checkpoint's, a run's ``hf/``) holding them."""
+    from ray_jobs.data import storage
+
+    return path.endswith(".safetensors") or bool(storage.list_dir(path))
+
+
+def safetensors_source(path: str) -> tuple[str, list[str] | None]:
+    """``--init-from``'s directory and files: one file, or a directory's (None: its index's or all)."""
+    if path.endswith(".safetensors"):
+        directory, _, name = path.rpartition("/")
+        return directory or ".", [name]
+    return path, None
 
 
 def check_language_model(cfg: TrainConfig, model: nn.Module, dataset) -> None:
@@ -113,6 +181,8 @@ def check_language_model(cfg: TrainConfig, model: nn.Module, dataset) -> None:
     finally:
         model.train(was_training)
         torch.random.set_rng_state(state)  # the check draws nothing the run would see
+    if is_pretrained(cfg.model) and tuple(logits.shape[:2]) == (batch, length) and logits.shape[2] >= vocab:
+        return  # a pretrained vocabulary may be padded past its tokenizer's ids (the factory checked)
     if tuple(logits.shape) != (batch, length, vocab):
         raise ValueError(
             f"--model {cfg.model} returned logits of shape {tuple(logits.shape)} for a ({batch}, {length}) batch of "

@@ -87,6 +87,15 @@ def read_bytes(target: Target) -> bytes:
         return stream.read()
 
 
+def read_range(target: Target, offset: int, length: int) -> bytes:
+    """``length`` bytes from ``offset`` (fewer at the file's end): a file's header without the file."""
+    filesystem, path = resolve(target)
+    if filesystem.get_file_info(path).type != pafs.FileType.File:
+        raise FileNotFoundError(str(target))
+    with filesystem.open_input_file(path) as stream:
+        return stream.read_at(length, offset)
+
+
 def write(target: Target, writer: Callable[[object], None]) -> None:
     """Call ``writer(stream)`` on a temporary name, then move it into place, so a crash never
     leaves a half-written file and a large object is serialised straight into the stream. A

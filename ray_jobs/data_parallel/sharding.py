@@ -36,6 +36,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ray_jobs.core.checkpoint import SHARDS_DIR, TrainState
 from ray_jobs.core.evaluation import chunk_sums, my_chunks, num_chunks
+from ray_jobs.core.model_init import SafetensorsInit
 from ray_jobs.data import storage
 from ray_jobs.data_parallel.wrap import Replicas
 
@@ -45,10 +46,17 @@ FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def shard_units(model: nn.Module) -> list[str]:
-    """The top-level children that get a ``fully_shard`` group of their own: those with parameters,
-    none of which another child also holds. Parameters are compared by identity, not by name, so
-    a tied embedding and output head (GPT-2's) however named stay together, in the root's group,
-    which takes every parameter no child's group took."""
+    """The modules that get a ``fully_shard`` group of their own, by name. A Hugging Face model's
+    are its decoder layers (the classes it lists in ``_no_split_modules``, as Accelerate wraps
+    them): its top-level children are the base model and the head. Any other model's are its
+    top-level children with parameters, none of which another child also holds. Parameters are
+    compared by identity, not by name, so a tied embedding and output head (GPT-2's) however named
+    stay together, in the root's group, which takes every parameter no group took."""
+    layers = set(getattr(model, "_no_split_modules", None) or ())
+    if layers:
+        found = [name for name, module in model.named_modules() if type(module).__name__ in layers]
+        if found:
+            return found
     holders: dict[int, int] = {}
     for child in model.children():
         for param in set(child.parameters()):
@@ -58,6 +66,10 @@ def shard_units(model: nn.Module) -> list[str]:
         for name, child in model.named_children()
         if next(child.parameters(), None) is not None and all(holders[id(p)] == 1 for p in child.parameters())
     ]
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(param.device.type == "meta" for param in model.parameters())
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
@@ -86,7 +98,8 @@ class Shards(Replicas):
             torch.cuda.set_device(device)
         if self.sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        model.to(device)
+        if not _on_meta(model):  # built on meta, it is materialised once sharded (``wrap_from_slices``)
+            model.to(device)
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         options = {
             "mesh": mesh,
@@ -94,8 +107,26 @@ class Shards(Replicas):
             "mp_policy": mixed_precision(precision),
         }
         for name in shard_units(model):
-            fully_shard(getattr(model, name), **options)
+            fully_shard(model.get_submodule(name), **options)
         return fully_shard(model, **options)
+
+    def wrap_from_slices(
+        self, model: nn.Module, initial: SafetensorsInit, device: torch.device, precision: str
+    ) -> nn.Module:
+        """``model`` built with its parameters on meta (``params_on_meta``), sharded, then each rank's
+        own slices read from the safetensors files: no rank ever holds more than its shard of the
+        weights, as torchtitan loads (build on meta, ``fully_shard``, ``to_empty``, load)."""
+        buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}  # computed in __init__
+        wrapped = self.wrap(model, device, precision)
+        model.to_empty(device=device)
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                buffer.copy_(buffers[name])
+        state = get_model_state_dict(model)
+        wanted = {initial.names.files[name]: tensor for name, tensor in state.items() if name in initial.names.files}
+        with _local(initial.weights.directory) as path:
+            dcp.load(wanted, storage_reader=dcp.HuggingFaceStorageReader(path))
+        return wrapped
 
     def no_sync(self, wrapped: nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
         """--grad-accum-steps: no reduce-scatter on the micro-steps before the last; each rank

@@ -37,7 +37,8 @@ from ray_jobs.core.config import TrainConfig
 from ray_jobs.core.evaluation import Validation, combine, is_best, progress, write_best_model
 from ray_jobs.core.failure_record import record_failure
 from ray_jobs.core.lr_schedule import lr_schedule
-from ray_jobs.core.model_init import make_model
+from ray_jobs.core.model_init import SafetensorsInit, make_model
+from ray_jobs.core.pretrained import params_on_meta
 from ray_jobs.core.step import (
     build_optimizer,
     grad_scaler,
@@ -88,12 +89,7 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
     torch.set_num_threads(loop.num_threads)
     dataset = ray.get(loop.dataset)
     device = ray.train.torch.get_device()
-    model = make_model(cfg, dataset, loop.model_factory)
-    model.load_state_dict(ray.get(loop.initial_state))
-    model.to(device)
-    if cfg.activation_checkpointing:
-        checkpoint_activations(model)
-    wrapped = loop.wrap.wrap(model, device, cfg.precision)
+    model, wrapped = _build(loop, cfg, dataset, device)
     optimizer = build_optimizer(model.parameters(), cfg)  # after the wrap: FSDP's are new (sharded) parameters
     scaler = grad_scaler(cfg.precision, device)
     torch.manual_seed(rank_seed(cfg.seed, ctx.get_world_rank()))  # this rank's dropout draws
@@ -112,6 +108,24 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
         if step_losses is None:
             return  # a non-finite loss, recorded
         worker.end_epoch(epoch, done + step_losses, time.perf_counter() - began, steal_fraction(cpu, cpu_times()))
+
+
+def _build(loop: LoopConfig, cfg: TrainConfig, dataset, device: torch.device) -> tuple[nn.Module, nn.Module]:
+    """The model with its starting weights, and as the strategy wraps it. Weights left in safetensors
+    (``SafetensorsInit``, fsdp only) are read by slice into a model built on meta and sharded."""
+    initial = ray.get(loop.initial_state)
+    if isinstance(initial, SafetensorsInit):
+        with params_on_meta():
+            model = make_model(cfg, dataset, loop.model_factory)
+    else:
+        model = make_model(cfg, dataset, loop.model_factory)
+        model.load_state_dict(initial)
+        model.to(device)
+    if cfg.activation_checkpointing:
+        checkpoint_activations(model)
+    if isinstance(initial, SafetensorsInit):
+        return model, loop.wrap.wrap_from_slices(model, initial, device, cfg.precision)
+    return model, loop.wrap.wrap(model, device, cfg.precision)
 
 
 class _Worker:

@@ -22,7 +22,8 @@ from ray_jobs.core.config import TrainConfig
 from ray_jobs.core.evaluation import read_val_data
 from ray_jobs.core.failure_record import FAILURE_FILE
 from ray_jobs.core.lr_schedule import check_warmup
-from ray_jobs.core.model_init import initial_model
+from ray_jobs.core.model_init import SafetensorsInit, initial_model, initial_slices, loads_by_slice
+from ray_jobs.core.pretrained import is_pretrained, pretrained_factory
 from ray_jobs.data import storage
 from ray_jobs.data.parquet import Dataset, read_dataset, synthesize, table_to_dataset
 from ray_jobs.data.stream import Footers, StreamDataset, plan_stream, read_footers
@@ -41,7 +42,8 @@ class PreparedRun:
     cfg: TrainConfig
     strategy: str
     dataset: Dataset | StreamDataset
-    initial_state: dict[str, torch.Tensor]
+    initial_state: dict[str, torch.Tensor] | SafetensorsInit
+    """The starting weights; for fsdp from safetensors, where to read each worker's slices."""
     name: str
     storage_path: str
     model_factory: Callable[..., nn.Module] | None = None
@@ -111,16 +113,26 @@ def prepare(cfg: TrainConfig, strategy: str, claim: Callable[[str, str], None] |
     check_warmup(cfg, dataset.num_rows)
     val = None if cfg.val_data is None else load_val_data(cfg, dataset)
     factory = ship_model_code(cfg.model)
-    model = initial_model(cfg, dataset, factory)
+    initial = initial_weights(cfg, strategy, dataset, factory)
     if cfg.task == "auto":
         print(f"[raypar] task: {dataset.task} ({dataset.reason}; --task to choose)", flush=True)
-    prepared = PreparedRun(cfg, strategy, dataset, model.state_dict(), name, storage_path, factory, val)
+    prepared = PreparedRun(cfg, strategy, dataset, initial, name, storage_path, factory, val)
     storage.check_writable(run_dir)
     if claim is not None:
         claim(run_dir, name)
     record_settings(cfg, strategy, run_dir)
     storage.delete_file(storage.join(run_dir, FAILURE_FILE))  # a past attempt's reason
     return prepared
+
+
+def initial_weights(
+    cfg: TrainConfig, strategy: str, dataset, factory: Callable[..., nn.Module]
+) -> dict[str, torch.Tensor] | SafetensorsInit:
+    """The starting ``state_dict``; for fsdp from safetensors (``hf:``, a safetensors ``--init-from``)
+    only their headers, checked: each worker reads its own slices, and no process the whole model."""
+    if strategy == "fsdp" and loads_by_slice(cfg):
+        return initial_slices(cfg, dataset, factory)
+    return initial_model(cfg, dataset, factory).state_dict()
 
 
 def check_run_name(name: str) -> None:
@@ -138,6 +150,8 @@ def ship_model_code(name: str) -> Callable[..., nn.Module]:
     """``--model``'s callable. A user's module outside site-packages travels to the workers by value
     (cloudpickle), so they build the model even where they cannot import it: a cluster joined
     without ``--working-dir``, a test's temporary module. Workers that can import it do either way."""
+    if is_pretrained(name):
+        return pretrained_factory(name)
     factory = model_factory(name)
     if is_user_model(name):
         module = sys.modules[name.partition(":")[0]]
