@@ -331,3 +331,61 @@ def load_pretrained(model: nn.Module, directory: str, files: list[str] | None, w
     weights = read_source(directory, files, what)
     state = read_state(weights, match_names(model, weights, what))
     model.load_state_dict(state)
+
+
+# A run's hf/ splits its weights into files of at most this many bytes, with an index, as save_pretrained does.
+MAX_SHARD_BYTES = 5 * 2**30
+# What a checkpoint's tokenizer is made of, copied into a run's hf/ beside the weights.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "generation_config.json",
+)
+
+
+def untied(state: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    """``state`` without a tied tensor's second name (GPT-2's ``lm_head.weight``): safetensors holds
+    a tensor once, and a loader ties it back."""
+    return {
+        name: tensor.contiguous()
+        for name, tensor in state.items()
+        if not (name in aliases and torch.equal(tensor, state[aliases[name]]))
+    }
+
+
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """Each second name of a tensor ``model`` holds under several, with its first."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        aliases.update({name: first[id(tensor)]} if id(tensor) in first else {})
+        first.setdefault(id(tensor), name)
+    return aliases
+
+
+def safetensors_files(state: dict[str, torch.Tensor], max_bytes: int = MAX_SHARD_BYTES) -> dict[str, bytes]:
+    """``state`` as safetensors files by name: ``model.safetensors``, or past ``max_bytes``
+    ``model-0000i-of-0000n.safetensors`` and their ``model.safetensors.index.json``."""
+    from safetensors.torch import save
+
+    groups: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][name] = tensor
+        size += nbytes
+    if len(groups) == 1:
+        return {WEIGHTS_FILE: save(groups[0], metadata={"format": "pt"})}
+    names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    files = {name: save(group, metadata={"format": "pt"}) for name, group in zip(names, groups)}
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    weight_map = {tensor: name for name, group in zip(names, groups) for tensor in group}
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    return {**files, INDEX_FILE: json.dumps(index, indent=2).encode()}

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from typing import Any
 
@@ -13,13 +14,24 @@ from ray_jobs.core.checkpoint import TrainState, latest_checkpoint, latest_progr
 from ray_jobs.core.config import TrainConfig
 from ray_jobs.core.evaluation import best_epoch, perplexity
 from ray_jobs.core.lr_schedule import lr_schedule
-from ray_jobs.core.model_init import make_model, model_options
+from ray_jobs.core.model_init import model_options, probe_model
+from ray_jobs.core.pretrained import (
+    CONFIG_FILE,
+    TOKENIZER_FILES,
+    WEIGHTS_FILE,
+    is_pretrained,
+    safetensors_files,
+    tied_names,
+    untied,
+)
 from ray_jobs.data import storage
 from ray_jobs.data.parquet import TOKENIZER_FILE, Dataset
 from ray_jobs.data.stream import StreamDataset
 from ray_jobs.driver.prepare import PreparedRun
 from ray_jobs.driver.summary import TrainSummary
 from ray_jobs.observability.throughput import flops_per_token, lm_throughput, peak_tflops
+
+HF_DIR = "hf"  # a hf: run's fine-tuned checkpoint, in the layout it came in
 
 
 def model_record(cfg: TrainConfig, dataset: Dataset | StreamDataset) -> dict[str, Any]:
@@ -69,10 +81,38 @@ def finish(
         extra=extra or {},
     )
     storage.write(storage.join(prepared.run_dir, "model.pt"), lambda stream: torch.save(final.model, stream))
+    write_safetensors(prepared, final.model)
     if dataset.tokenizer is not None:  # what generate decodes with, beside the model it trained
         storage.write_bytes(storage.join(prepared.run_dir, TOKENIZER_FILE), dataset.tokenizer.encode())
     storage.write_bytes(storage.join(prepared.run_dir, "summary.json"), summary.to_json().encode())
     return summary
+
+
+def write_safetensors(prepared: PreparedRun, state: dict[str, torch.Tensor]) -> None:
+    """``model.safetensors`` (the weights ``model.pt`` holds, a tied tensor once), and for a ``hf:``
+    model ``hf/``: its config, weights and tokenizer as ``from_pretrained`` reads them."""
+    from safetensors.torch import save
+
+    cfg = prepared.cfg
+    weights = untied(state, tied_names(probe_model(cfg, prepared.dataset, prepared.model_factory)))
+    data = save(weights, metadata={"format": "pt"})
+    storage.write(storage.join(prepared.run_dir, WEIGHTS_FILE), lambda stream: stream.write(data))
+    if is_pretrained(cfg.model):
+        files = {**safetensors_files(weights), **hf_metadata(cfg, prepared.model_factory)}
+        targets = [storage.join(prepared.run_dir, HF_DIR, name) for name in files]
+        storage.write_many(targets, lambda streams: [out.write(data) for out, data in zip(streams, files.values())])
+
+
+def hf_metadata(cfg: TrainConfig, factory) -> dict[str, bytes]:
+    """A ``hf:`` run's ``config.json`` (the checkpoint's, with ``--model-option``s set) and the
+    checkpoint's tokenizer files."""
+    config = {**factory.config, **cfg.model_options}
+    files = {CONFIG_FILE: json.dumps(config, indent=2).encode()}
+    present = storage.list_dir(factory.directory)
+    for name in TOKENIZER_FILES:
+        if name in present:
+            files[name] = storage.read_bytes(storage.join(factory.directory, name))
+    return files
 
 
 def language_model_throughput(prepared: PreparedRun, metrics: dict[str, Any], world_size: int) -> dict[str, Any]:
@@ -80,8 +120,7 @@ def language_model_throughput(prepared: PreparedRun, metrics: dict[str, Any], wo
     cfg, dataset = prepared.cfg, prepared.dataset
     if dataset.task != "lm":
         return {}
-    with torch.device("meta"):
-        model = make_model(cfg, dataset, prepared.model_factory)
+    model = probe_model(cfg, dataset, prepared.model_factory)
     flops = flops_per_token(model, model_record(cfg, dataset), dataset.block_size)
     peak = (
         peak_tflops(metrics.get("device_name"), cfg.precision, cfg.peak_tflops) if metrics.get("device_name") else None

@@ -17,6 +17,7 @@ from ray_jobs.core.config import (
     require_divisible,
     require_gpu_for_fp16,
 )
+from ray_jobs.core.pretrained import is_pretrained
 from ray_jobs.driver.prepare import PreparedRun
 from ray_jobs.driver.resources import gpu_sharing
 from ray_jobs.pipeline.cut import StageCut, cut_stages, measured_unit_costs, stage_keys
@@ -128,6 +129,12 @@ class PipelineScaling:
                 f"--transport compiled cannot connect stages that share a GPU ({shared}; nccl "
                 "refuses two ranks on one device): use --transport p2p or actor_calls, or "
                 "--gpus-per-stage 1"
+            )
+        if is_pretrained(cfg.model):
+            raise ValueError(
+                f"--model {cfg.model}: the pipeline cannot cut a Hugging Face checkpoint yet (it needs the model "
+                "as a sequence of stages: embeddings, decoder layers, final norm and head); fine-tune it with "
+                "ray_jobs.ddp, ray_jobs.fsdp or ray_jobs.dp"
             )
         # A registered model's layer count does not depend on the data's widths, so any widths tell
         # whether S fits; a user's model may need its real widths: it is cut once the data is read.

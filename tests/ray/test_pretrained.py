@@ -36,3 +36,22 @@ def test_a_pretrained_checkpoint_fine_tunes_to_the_single_process_weights(
     # Tolerance (assert_same_weights): the workers' float32 sums in another order than one batch's.
     assert_same_weights(load_weights(summary.run_dir), expected)
     assert summary.losses == pytest.approx(losses, rel=1e-5)
+    assert_hands_back_the_trained_model(summary.run_dir, checkpoints[family])
+
+
+def assert_hands_back_the_trained_model(run_dir: str, checkpoint: str) -> None:
+    """``hf/`` loads offline with ``from_pretrained`` to the run's own weights (``model.pt``, and
+    ``model.safetensors`` beside it), so to its logits, with the checkpoint's tokenizer files."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    trained = load_weights(run_dir)
+    exported = AutoModelForCausalLM.from_pretrained(f"{run_dir}/hf")
+    assert_same_weights(exported.state_dict(), trained, exact=True)
+    saved = load_file(f"{run_dir}/model.safetensors")
+    assert all(torch.equal(saved[name], trained[name]) for name in saved) and len(saved) >= len(trained) - 1
+    ours = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint))
+    ours.load_state_dict(trained)
+    batch = torch.arange(16).reshape(2, 8)
+    torch.testing.assert_close(exported(batch).logits, ours(batch).logits, rtol=0, atol=0)
