@@ -48,3 +48,24 @@ def pretrained_reference(cfg, reference_for):
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
 
     return reference_for(cfg, init_state, factory=factory)
+
+
+def write_tokenizer(directory) -> str:
+    """A byte-level BPE of at most ``VOCAB`` ids trained on a standard library source, saved as a
+    checkpoint's tokenizer is (``tokenizer.json``, ``tokenizer_config.json`` naming its eos)."""
+    import sysconfig
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = Path(sysconfig.get_paths()["stdlib"], "textwrap.py").read_text()
+    inner = Tokenizer(models.BPE())
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    inner.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    inner.train_from_iterator([text], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="<|endoftext|>").save_pretrained(directory)
+    return str(directory)

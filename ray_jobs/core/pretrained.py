@@ -280,7 +280,9 @@ def match_names(model: nn.Module, weights: Weights, what: str) -> NameMap:
         files[owner] = file
         aliases.update({name: owner for name in names if name != owner})
         if weights.tensors[file].shape != tuple(state[owner].shape):
-            shapes.append(f"{file} is {list(weights.tensors[file].shape)}, the model's {list(state[owner].shape)}")
+            shapes.append(
+                f"{file} is {list(weights.tensors[file].shape)} in the file, {list(state[owner].shape)} in the model"
+            )
     unexpected = sorted(set(weights.tensors) - set(files.values()) - set(_ignored(model, weights)))
     problems = [
         _listed("missing", missing),

@@ -74,7 +74,12 @@ def add_tokenize(commands) -> None:
     )
     tokenize.add_argument("--output", required=True, help="directory to write (local, or a URI)")
     tokenize.add_argument("--block-size", type=int, required=True, help="T: a row holds T+1 tokens")
-    tokenize.add_argument("--tokenizer", default="byte", help="byte (default: 256 bytes and end-of-text) or bpe")
+    tokenize.add_argument(
+        "--tokenizer",
+        default="byte",
+        help="byte (default: 256 bytes and end-of-text), bpe (trained on the input), or a pretrained "
+        "model's: its directory or tokenizer.json (its eos joins documents)",
+    )
     tokenize.add_argument(
         "--vocab-size",
         type=int,

@@ -38,6 +38,7 @@ from ray_jobs.data.tokenizer import (
     ByteTokenizer,
     Tokenizer,
     check_vocab_size,
+    read_pretrained_tokenizer,
     schema_metadata,
     train_bpe,
 )
@@ -170,14 +171,16 @@ def _size(num_bytes: int) -> str:
 
 def check_flags(kind: str, vocab_size: int | None, block_size: int, val_fraction: float, row_group_rows: int) -> int:
     """The flags' own checks; returns the vocabulary size asked for."""
-    if kind not in KINDS:
-        raise ValueError(f"--tokenizer {kind!r} is unknown; valid: {', '.join(KINDS)}")
     if block_size < 1:
         raise ValueError(f"--block-size must be at least 1, got {block_size}")
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     if row_group_rows < 1:
         raise ValueError(f"--row-group-rows must be at least 1, got {row_group_rows}")
+    if kind not in KINDS:  # a pretrained tokenizer's file: its vocabulary is its own
+        if vocab_size is not None:
+            raise ValueError(f"--vocab-size is for a tokenizer raypar trains; --tokenizer {kind} has its own")
+        return 0
     if kind == "byte":
         if vocab_size not in (None, BYTE_VOCAB):
             raise ValueError(
@@ -216,7 +219,12 @@ def tokenize(
     corpus = Corpus(input_files(inputs, exclude=output), text_column)
     corpus.check()
     progress = Progress(corpus, progress_out)
-    tokenizer = ByteTokenizer() if kind == "byte" else train_bpe(_training_texts(corpus, progress), vocab_size)
+    if kind == "byte":
+        tokenizer = ByteTokenizer()
+    elif kind == "bpe":
+        tokenizer = train_bpe(_training_texts(corpus, progress), vocab_size)
+    else:
+        tokenizer = read_pretrained_tokenizer(kind)
     train_seconds = time.monotonic() - start
     names = [TRAIN_FILE, VAL_FILE] if val_fraction else [TRAIN_FILE]
     splits = [SplitReport(name) for name in names]

@@ -32,8 +32,10 @@ __all__ = [
     "TOKENS_COLUMN",
     "VOCAB_SIZE_KEY",
     "BpeTokenizer",
+    "PretrainedTokenizer",
     "ByteTokenizer",
     "Tokenizer",
+    "read_pretrained_tokenizer",
     "read_tokenizer",
     "schema_metadata",
     "tokenizer_from_json",
@@ -41,7 +43,10 @@ __all__ = [
 ]
 
 EOT_TEXT = "<|endoftext|>"
-KINDS = ("byte", "bpe")
+KINDS = ("byte", "bpe")  # what --tokenizer trains or builds; "pretrained" is read from a file
+SPEC_KINDS = (*KINDS, "pretrained")
+# A checkpoint's end-of-text, when no file of it names its eos: the spellings the common families use.
+EOS_SPELLINGS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 BYTE_VOCAB = 257  # 256 byte values and end-of-text
 # The most ids a token column holds: it is list<int32>.
 MAX_VOCAB = 2**31 - 1
@@ -107,16 +112,18 @@ class BpeTokenizer(Tokenizer):
 
     kind = "bpe"
 
-    def __init__(self, library_json: str) -> None:
+    def __init__(self, library_json: str, eot_id: int | None = None) -> None:
         module = _tokenizers()
         self.inner = module.Tokenizer.from_str(library_json)
         # Text that spells the marker is text: only the job's joins are end-of-text. (Not kept in
         # the library's JSON, so set on every load.)
         self.inner.encode_special_tokens = True
-        eot_id = self.inner.token_to_id(EOT_TEXT)
+        eot_id = self.inner.token_to_id(EOT_TEXT) if eot_id is None else eot_id
         if eot_id is None:
             raise ValueError(f"the bpe tokenizer has no {EOT_TEXT} token")
         self.vocab_size, self.eot_id = self.inner.get_vocab_size(), eot_id
+        if not 0 <= eot_id < self.vocab_size:
+            raise ValueError(f"end-of-text id {eot_id} is outside the vocabulary of {self.vocab_size}")
 
     def encode(self, text: str) -> list[int]:
         return self.inner.encode(text, add_special_tokens=False).ids
@@ -133,6 +140,14 @@ class BpeTokenizer(Tokenizer):
 
     def spec(self) -> dict[str, Any]:
         return {**super().spec(), "bpe": self.inner.to_str()}
+
+
+class PretrainedTokenizer(BpeTokenizer):
+    """A checkpoint's own tokenizer (its ``tokenizer.json``, the ``tokenizers`` library's), so the ids
+    are the ones its model was trained on; its end-of-text token (the checkpoint's ``eos``) joins
+    documents. Nothing is added: no BOS, no template."""
+
+    kind = "pretrained"
 
 
 def _tokenizers():
@@ -177,16 +192,17 @@ def tokenizer_from_json(text: str | bytes) -> Tokenizer:
         spec = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"the tokenizer spec is not JSON ({error})") from None
-    if not isinstance(spec, dict) or spec.get("kind") not in KINDS:
+    if not isinstance(spec, dict) or spec.get("kind") not in SPEC_KINDS:
         kind = spec.get("kind") if isinstance(spec, dict) else None
-        raise ValueError(f"the tokenizer spec's kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        raise ValueError(f"the tokenizer spec's kind must be one of {', '.join(SPEC_KINDS)}, got {kind!r}")
     if spec["kind"] == "byte":
         tokenizer: Tokenizer = ByteTokenizer()
     elif not isinstance(spec.get("bpe"), str):
         raise ValueError("the bpe tokenizer spec has no 'bpe' string (the tokenizers library's JSON)")
     else:
         try:
-            tokenizer = BpeTokenizer(spec["bpe"])
+            kind = PretrainedTokenizer if spec["kind"] == "pretrained" else BpeTokenizer
+            tokenizer = kind(spec["bpe"], spec.get("eot_id") if spec["kind"] == "pretrained" else None)
         except Exception as error:  # the library's own parse error, whatever its type
             if isinstance(error, ValueError) and LM_EXTRA in str(error):
                 raise
@@ -213,6 +229,59 @@ def read_tokenizer(path_or_dir: str) -> Tokenizer:
         return tokenizer_from_json(text)
     except ValueError as error:
         raise ValueError(f"{storage.without_query(str(target))}: {error}") from None
+
+
+def read_pretrained_tokenizer(path: str) -> Tokenizer:
+    """``--tokenizer DIR|tokenizer.json``: a checkpoint's tokenizer (the ``tokenizers`` library's JSON),
+    its end-of-text the checkpoint's ``eos`` (from ``tokenizer_config.json``, ``config.json`` or
+    ``generation_config.json`` beside it); or a raypar dataset's ``tokenizer.json``, reused."""
+    directory, target = path, storage.join(path, TOKENIZER_FILE)
+    if path.endswith(".json"):
+        directory, target = path.rpartition("/")[0] or ".", path
+    elif not storage.list_dir(path):
+        raise ValueError(
+            f"--tokenizer {path!r} is unknown: not {' or '.join(KINDS)}, nor a directory or a tokenizer.json "
+            "(a pretrained model's tokenizer, fetched beforehand: raypar downloads nothing)"
+        )
+    try:
+        text = storage.read_bytes(target)
+    except FileNotFoundError:
+        what = "no such file" if path.endswith(".json") else f"no {TOKENIZER_FILE} in it"
+        raise ValueError(f"--tokenizer {path}: {what} (byte, bpe, or a checkpoint's tokenizer)") from None
+    try:
+        library = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"--tokenizer {path}: {TOKENIZER_FILE} is not JSON ({error})") from None
+    if isinstance(library, dict) and "kind" in library:  # raypar's own spec: another dataset's tokenizer
+        return read_tokenizer(str(target))
+    module = _tokenizers()
+    try:
+        inner = module.Tokenizer.from_str(text.decode())
+    except Exception as error:  # the library's own parse error, whatever its type
+        raise ValueError(f"--tokenizer {path}: not a tokenizers library file ({str(error).splitlines()[0]})") from None
+    eot_id = _eos_id(directory, inner)
+    if eot_id is None:
+        raise ValueError(
+            f"--tokenizer {path}: no end-of-text token to join documents with (no eos in tokenizer_config.json, "
+            f"config.json or generation_config.json, and none of {', '.join(EOS_SPELLINGS)} in its vocabulary)"
+        )
+    return PretrainedTokenizer(text.decode(), eot_id)
+
+
+def _eos_id(directory: str, inner) -> int | None:
+    """The checkpoint's end-of-text id: named by its files, else a common spelling in the vocabulary."""
+    for name, key in (("tokenizer_config.json", "eos_token"), ("config.json", "eos_token_id"),
+                      ("generation_config.json", "eos_token_id")):  # fmt: skip
+        try:
+            value = json.loads(storage.read_bytes(storage.join(directory, name))).get(key)
+        except (FileNotFoundError, ValueError, AttributeError):
+            continue
+        value = value[0] if isinstance(value, list) and value else value
+        value = value.get("content") if isinstance(value, dict) else value
+        found = inner.token_to_id(value) if isinstance(value, str) else value
+        if isinstance(found, int):
+            return found
+    return next((inner.token_to_id(text) for text in EOS_SPELLINGS if inner.token_to_id(text) is not None), None)
 
 
 def schema_metadata(tokenizer: Tokenizer) -> dict[bytes, bytes]:

@@ -95,7 +95,7 @@ def test_a_spec_loads_the_same_tokenizer(bpe, tmp_path):
 def test_bad_specs_and_sizes_are_one_line(tmp_path):
     for spec, message in [
         ("{", "not JSON"),
-        ('{"kind": "wordpiece"}', "kind must be one of byte, bpe, got 'wordpiece'"),
+        ('{"kind": "wordpiece"}', "kind must be one of byte, bpe, pretrained, got 'wordpiece'"),
         ('{"kind": "bpe"}', "no 'bpe' string"),
         ('{"kind": "byte", "vocab_size": 300}', "says vocab_size 300"),
     ]:
