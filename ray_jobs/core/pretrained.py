@@ -232,6 +232,16 @@ def pretrained_factory(name: str) -> PretrainedModel:
     return PretrainedModel(checkpoint.directory, checkpoint.config)
 
 
+def trained_factory(name: str, run_dir: str) -> PretrainedModel:
+    """A finished ``hf:`` run's model, from the ``hf/`` it wrote (the checkpoint it started from may
+    be gone); ``name``'s checkpoint when the run has none."""
+    exported = storage.join(run_dir, "hf", CONFIG_FILE)
+    if not storage.exists(exported):
+        return pretrained_factory(name)
+    hf_modules()
+    return PretrainedModel(str(storage.join(run_dir, "hf")), json.loads(storage.read_bytes(exported)))
+
+
 @contextlib.contextmanager
 def params_on_meta() -> Iterator[None]:
     """Build a model whose parameters are on the meta device (no memory, no init) while its buffers

@@ -24,6 +24,7 @@ from torch import nn
 
 from models import model_factory
 from models.lm import logits_of
+from ray_jobs.core.pretrained import is_pretrained, trained_factory
 from ray_jobs.data import storage
 from ray_jobs.data.tokenizer import TOKENIZER_FILE, Tokenizer, read_tokenizer
 from ray_jobs.predict.trained import WEIGHTS, TrainedModel, check_allowed, check_record, read_summary
@@ -92,7 +93,8 @@ def load_language_model(
     if not storage.exists(weights):
         hint = " (the run had no --val-data)" if checkpoint == "best" else ""
         raise ValueError(f"{path} has no {WEIGHTS[checkpoint]}{hint}")
-    factory = model_factory(record["name"])
+    name = record["name"]
+    factory = trained_factory(name, run_dir) if is_pretrained(name) else model_factory(name)
     loaded = _load(TrainedModel(record, LM_TASK, storage.locate(weights), factory), device, weights)
     context = block_size or _block_size(summary, record, factory, path)
     limit = record.get("block_size")

@@ -22,6 +22,7 @@ from torch import nn
 
 from models import MODELS, build_model, is_user_model
 from ray_jobs.core.evaluation import BEST_MODEL_FILE
+from ray_jobs.core.pretrained import is_pretrained
 from ray_jobs.data import storage
 from ray_jobs.driver.prepare import ship_model_code
 
@@ -129,6 +130,8 @@ def check_allowed(name: str, run_dir: str, model: str | None, trust_model_code: 
     """Refuse, before anything is imported, a model whose code the user has not chosen to run."""
     if model is not None and model != name:
         raise ValueError(f"--model {model} does not match the run's model {name} (--run-dir {run_dir} summary.json)")
+    if is_pretrained(name):
+        return  # transformers' own classes, built from a config: no code of the run's runs
     if not is_user_model(name):
         if name not in MODELS:
             raise ValueError(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import assert_same_weights, lm_config, load_weights, reference_for, run_strategy
-from tests.pretrained import pretrained_reference, write_gpt2, write_llama
+from tests.pretrained import pretrained_reference, write_gpt2, write_llama, write_tokenizer
 
 pytest.importorskip("transformers", reason="hf: needs transformers (pip install 'raypar[hf]')")
 
@@ -20,7 +20,23 @@ WRITERS = {"gpt2": write_gpt2, "llama": write_llama}
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoints")
-    return {family: write(root / family) for family, write in WRITERS.items()}
+    written = {family: write(root / family) for family, write in WRITERS.items()}
+    write_tokenizer(written["gpt2"])
+    return written
+
+
+@pytest.fixture(scope="module")
+def gpt2_tokens(checkpoints, tmp_path_factory):
+    """Real text tokenized by the GPT-2 checkpoint's own tokenizer, as a user starts."""
+    import sysconfig
+
+    from ray_jobs.data.__main__ import main
+
+    out = tmp_path_factory.mktemp("gpt2-tokens")
+    text = f"{sysconfig.get_paths()['stdlib']}/textwrap.py"
+    argv = ["tokenize", "--input", text, "--output", str(out), "--block-size", "8", "--tokenizer", checkpoints["gpt2"]]
+    assert main(argv) == 0
+    return str(out / "train.parquet")
 
 
 @pytest.mark.parametrize(
@@ -28,15 +44,21 @@ def checkpoints(tmp_path_factory):
     [("fsdp", "gpt2", 2), ("fsdp", "llama", 2), ("ddp", "gpt2", 2), ("ddp", "llama", 2), ("dp", "llama", 1)],
 )
 def test_a_pretrained_checkpoint_fine_tunes_to_the_single_process_weights(
-    ray_cluster, tokens, checkpoints, tmp_path, strategy, family, num_workers
+    ray_cluster, tokens, gpt2_tokens, checkpoints, tmp_path, strategy, family, num_workers
 ):
-    cfg = lm_config(tokens, tmp_path, model=f"hf:{checkpoints[family]}", model_option=[])
+    data = gpt2_tokens if family == "gpt2" else tokens  # the Llama's is byte tokens: 257 ids of its 300
+    cfg = lm_config(data, tmp_path, model=f"hf:{checkpoints[family]}", model_option=[])
     summary = run_strategy(strategy, cfg, num_workers=num_workers)
     expected, losses = pretrained_reference(cfg, reference_for)
     # Tolerance (assert_same_weights): the workers' float32 sums in another order than one batch's.
     assert_same_weights(load_weights(summary.run_dir), expected)
     assert summary.losses == pytest.approx(losses, rel=1e-5)
     assert_hands_back_the_trained_model(summary.run_dir, checkpoints[family])
+    if family == "gpt2":  # generate samples from the run with the checkpoint's tokenizer
+        from ray_jobs.predict.generate import load_language_model
+
+        loaded = load_language_model(summary.run_dir)
+        assert loaded.tokenizer.kind == "pretrained" and (tmp_path / "run" / "hf" / "tokenizer.json").exists()
 
 
 def assert_hands_back_the_trained_model(run_dir: str, checkpoint: str) -> None:
