@@ -12,6 +12,7 @@ from ray_jobs.bench.report_gpu import gpu_sections
 from ray_jobs.bench.report_ingest import ingest_section
 from ray_jobs.bench.report_lm import lm_section
 from ray_jobs.bench.report_pipeline import pipeline_section
+from ray_jobs.bench.report_pretrained import pretrained_section
 from ray_jobs.bench.report_sharding import sharding_section
 from ray_jobs.bench.report_stage_memory import stage_memory_section
 from ray_jobs.bench.report_stream_ingest import stream_ingest_section
@@ -34,6 +35,7 @@ def render(results: dict[str, Any]) -> str:
             + accumulation_section(results.get("accumulation"))
             + lm_section(results.get("lm"))
             + sharding_section(results.get("sharding"))
+            + pretrained_section(results.get("pretrained"))
             + gpu_sections(results)
             + _targets(results)
         )

@@ -142,6 +142,12 @@ class Suite:
     lm_repetitions: int
     """Runs of each side of the language-model case (each run's epochs after the first are its repetitions)."""
     gpt: GPTShape = GPTShape(n_layer=6, n_head=4, n_embd=256, block_size=256, vocab_size=512, batch_size=8)
+    pretrained: GPTShape | None = GPTShape(
+        n_layer=12, n_head=12, n_embd=768, block_size=8, vocab_size=50257, batch_size=4
+    )
+    """The pretrained case's Hugging Face GPT-2 (default: GPT-2 small's 124M parameters, ~500 MB in
+    fp32), written locally from its config: each worker's memory at start, ddp against fsdp. None:
+    not run (the smoke suite: a tiny checkpoint shows nothing of memory)."""
     """The sharding case's GPT: activation memory with and without --activation-checkpointing."""
 
 
@@ -261,6 +267,7 @@ SUITES: dict[str, Suite] = {
         lm=LmWorkload(n_layer=2, n_head=2, n_embd=32, block_size=16, rows=128, batch_size=16, epochs=2),
         lm_repetitions=1,
         gpt=GPTShape(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, batch_size=4),
+        pretrained=None,
     ),
 }
 

@@ -74,10 +74,18 @@ def warn_not_reproducible(cfg: TrainConfig, dataset, factory, strategy: str, syn
 
 def probe_model(cfg: TrainConfig, dataset, factory: Callable[..., nn.Module] | None = None) -> nn.Module:
     """The run's model with its parameters on the meta device, to look at, not to run: built in no
-    time and no memory. A user's function that loads weights itself (``from_pretrained``) refuses a
-    meta device, but not parameters moved there as they are registered."""
-    with params_on_meta():
+    time and no memory (a user's function that loads weights itself, ``from_pretrained``, refuses a
+    meta device and meta parameters alike: its model is built for real)."""
+    try:
+        with params_on_meta():
+            return make_model(cfg, dataset, factory)
+    except ValueError:  # a function that loads weights itself may refuse even that: built for real
         return make_model(cfg, dataset, factory)
+
+
+def on_meta(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters are on the meta device (``probe_model`` could keep them there)."""
+    return any(param.device.type == "meta" for param in model.parameters())
 
 
 def _layers_that(why: str, layers: list[str]) -> str:
@@ -181,12 +189,13 @@ def check_language_model(cfg: TrainConfig, model: nn.Module, dataset) -> None:
     finally:
         model.train(was_training)
         torch.random.set_rng_state(state)  # the check draws nothing the run would see
-    if is_pretrained(cfg.model) and tuple(logits.shape[:2]) == (batch, length) and logits.shape[2] >= vocab:
-        return  # a pretrained vocabulary may be padded past its tokenizer's ids (the factory checked)
-    if tuple(logits.shape) != (batch, length, vocab):
+    # A model's vocabulary may be padded past the tokenizer's ids (a pretrained one's, nanoGPT's 50304):
+    # ids it never sees as input, logits the loss still normalises over, as one process would.
+    if logits.dim() != 3 or tuple(logits.shape[:2]) != (batch, length) or logits.shape[2] < vocab:
         raise ValueError(
-            f"--model {cfg.model} returned logits of shape {tuple(logits.shape)} for a ({batch}, {length}) batch of "
-            f"token ids; a language model must return (batch, tokens, vocabulary) = ({batch}, {length}, {vocab})"
+            f"--model {cfg.model} returned logits of shape {tuple(logits.shape)} for a ({batch}, {length}) batch "
+            f"of token ids; a language model must return (batch, tokens, vocabulary) = ({batch}, {length}, at least "
+            f"{vocab})"
         )
 
 

@@ -67,6 +67,8 @@ class TensorInfo:
     file: str
     dtype: str
     shape: tuple[int, ...]
+    offset: int = 0
+    """Where its bytes begin in the file (row-major, contiguous): a slice of rows is one range."""
 
 
 @dataclass(frozen=True)
@@ -97,15 +99,16 @@ def read_weights(directory: str, files: list[str], what: str) -> Weights:
     for name in files:
         if name not in sizes:
             raise ValueError(f"{what}: {name} is missing")
-        for key, info in _header(storage.join(directory, name), sizes[name], f"{what}: {name}").items():
+        start, header = _header(storage.join(directory, name), sizes[name], f"{what}: {name}")
+        for key, info in header.items():
             if key in tensors:
                 raise ValueError(f"{what}: tensor {key} is in both {tensors[key].file} and {name}")
-            tensors[key] = TensorInfo(name, info["dtype"], tuple(info["shape"]))
+            tensors[key] = TensorInfo(name, info["dtype"], tuple(info["shape"]), start + info["data_offsets"][0])
     return Weights(storage.absolute(directory) if isinstance(directory, str) else directory, tensors)
 
 
-def _header(target: storage.Target, size: int, what: str) -> dict[str, Any]:
-    """A safetensors file's tensor entries, checked against the file's size."""
+def _header(target: storage.Target, size: int, what: str) -> tuple[int, dict[str, Any]]:
+    """Where a safetensors file's data begins, and its tensor entries, checked against its size."""
     if size < 8:
         raise ValueError(f"{what} is truncated ({size} bytes): not a safetensors file")
     (length,) = struct.unpack("<Q", storage.read_range(target, 0, 8))
@@ -130,7 +133,7 @@ def _header(target: storage.Target, size: int, what: str) -> dict[str, Any]:
             raise ValueError(f"{what} is truncated: tensor {key} ends at byte {end} of {data} in the file")
         if end - begin != expected:
             raise ValueError(f"{what} is corrupt: tensor {key} holds {end - begin} bytes, its shape needs {expected}")
-    return header
+    return 8 + length, header
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ray_jobs.core.checkpoint import SHARDS_DIR, TrainState
 from ray_jobs.core.evaluation import chunk_sums, my_chunks, num_chunks
-from ray_jobs.core.model_init import SafetensorsInit
+from ray_jobs.core.model_init import SafetensorsInit, on_meta
+from ray_jobs.core.pretrained import DTYPES
 from ray_jobs.data import storage
 from ray_jobs.data_parallel.wrap import Replicas
 
@@ -68,8 +71,50 @@ def shard_units(model: nn.Module) -> list[str]:
     ]
 
 
-def _on_meta(model: nn.Module) -> bool:
-    return any(param.device.type == "meta" for param in model.parameters())
+def read_slices(state: dict[str, torch.Tensor], initial: SafetensorsInit, directory: str) -> None:
+    """Fill each tensor of ``state`` (a sharded model's: DTensors, and plain buffers) with its rows
+    of the safetensors files in ``directory``. A shard of dim 0 is one byte range of the file, read
+    straight into the shard's memory: no whole tensor, no copy of the slice, no mapped file pages
+    (DCP's ``HuggingFaceStorageReader`` holds each slice once more, mapped, while it copies)."""
+    files: dict[str, object] = {}
+    try:
+        for name, target in state.items():
+            if name not in initial.names.files:  # a tied name: filled through the tensor's first
+                continue
+            info = initial.weights.tensors[initial.names.files[name]]
+            if info.file not in files:
+                files[info.file] = open(os.path.join(directory, info.file), "rb")  # closed below, with the others
+            local, first_row = _rows_held(target)
+            _read_rows(files[info.file], info, first_row, local)
+    finally:
+        for handle in files.values():
+            handle.close()
+
+
+def _rows_held(target: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The tensor this rank holds of ``target`` and the row of the whole at which it starts."""
+    if not isinstance(target, DTensor):
+        return target, 0
+    local_shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    if any(offset[1:]) or tuple(local_shape[1:]) != tuple(target.shape[1:]):
+        raise ValueError(f"a shard of {tuple(target.shape)} that is not whole rows ({target.placements})")
+    return target.to_local(), (offset[0] if offset else 0)
+
+
+def _read_rows(handle, info, first_row: int, local: torch.Tensor) -> None:
+    """``local.shape[0]`` rows of ``info``'s tensor from ``first_row``, into ``local``."""
+    dtype = DTYPES[info.dtype]
+    row_bytes = math.prod(info.shape[1:]) * dtype.itemsize
+    count = local.numel() * dtype.itemsize
+    handle.seek(info.offset + first_row * row_bytes)
+    if dtype == local.dtype and local.is_contiguous() and local.device.type == "cpu":
+        into = local.reshape(-1).view(torch.uint8).numpy()
+    else:  # another dtype or a GPU: through one buffer of the slice
+        into = bytearray(count)
+    if count and handle.readinto(into) != count:
+        raise ValueError(f"{info.file} ends inside a tensor's rows: the file changed since its header was read")
+    if isinstance(into, bytearray) and count:
+        local.copy_(torch.frombuffer(into, dtype=dtype).view(local.shape))
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
@@ -98,7 +143,7 @@ class Shards(Replicas):
             torch.cuda.set_device(device)
         if self.sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        if not _on_meta(model):  # built on meta, it is materialised once sharded (``wrap_from_slices``)
+        if not on_meta(model):  # built on meta, it is materialised once sharded (``wrap_from_slices``)
             model.to(device)
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         options = {
@@ -122,10 +167,8 @@ class Shards(Replicas):
         with torch.no_grad():
             for name, buffer in model.named_buffers():
                 buffer.copy_(buffers[name])
-        state = get_model_state_dict(model)
-        wanted = {initial.names.files[name]: tensor for name, tensor in state.items() if name in initial.names.files}
         with _local(initial.weights.directory) as path:
-            dcp.load(wanted, storage_reader=dcp.HuggingFaceStorageReader(path))
+            read_slices(get_model_state_dict(model), initial, path)
         return wrapped
 
     def no_sync(self, wrapped: nn.Module) -> Callable[[], contextlib.AbstractContextManager]:

@@ -135,6 +135,7 @@ def _fit(prepared: PreparedRun, scaling: WorkerScaling, wrap, reader, faults: Fa
             "epoch_steal",
             "first_step_at",
             "worker_peak_rss_bytes",
+            "worker_startup_rss_bytes",
             "worker_model_state_bytes",
         )
     }

@@ -54,7 +54,7 @@ from ray_jobs.data.stream import epoch_indices, open_source
 from ray_jobs.data_parallel.wrap import Replicas
 from ray_jobs.errors import described
 from ray_jobs.observability.model_memory import model_state_bytes
-from ray_jobs.observability.process_stats import cpu_times, peak_rss_bytes, steal_fraction
+from ray_jobs.observability.process_stats import cpu_times, peak_rss_bytes, reset_peak_rss, rss_bytes, steal_fraction
 from ray_jobs.observability.tensorboard import TrainLog
 from ray_jobs.observability.throughput import throughput_text
 from ray_jobs.testing.faults import NO_FAULTS, Faults
@@ -89,7 +89,9 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
     torch.set_num_threads(loop.num_threads)
     dataset = ray.get(loop.dataset)
     device = ray.train.torch.get_device()
+    baseline = rss_bytes() if reset_peak_rss() else None
     model, wrapped = _build(loop, cfg, dataset, device)
+    startup = peak_rss_bytes() - baseline if baseline is not None else None  # the model's start: its weights' cost
     optimizer = build_optimizer(model.parameters(), cfg)  # after the wrap: FSDP's are new (sharded) parameters
     scaler = grad_scaler(cfg.precision, device)
     torch.manual_seed(rank_seed(cfg.seed, ctx.get_world_rank()))  # this rank's dropout draws
@@ -98,6 +100,7 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
         at = f"epoch {start.epochs_completed}" + (f", step {start.step}" if start.step else "")
         print(f"[raypar] resuming from the checkpoint after {at} on {ctx.get_world_size()} worker(s)", flush=True)
     worker = _Worker(loop, cfg, dataset, device, (model, wrapped), optimizer, scaler, ctx, start)
+    worker.report["worker_startup_rss_bytes"] = _gather(startup, worker.world_size)
     for epoch in range(start.epochs_completed if start else 0, cfg.epochs):
         resuming = start is not None and epoch == start.epochs_completed
         first_step, done = (start.step, list(start.step_losses)) if resuming else (0, [])

@@ -22,8 +22,23 @@ from ray_jobs.core.config import TrainConfig
 from ray_jobs.core.evaluation import read_val_data
 from ray_jobs.core.failure_record import FAILURE_FILE
 from ray_jobs.core.lr_schedule import check_warmup
-from ray_jobs.core.model_init import SafetensorsInit, initial_model, initial_slices, loads_by_slice
-from ray_jobs.core.pretrained import is_pretrained, pretrained_factory
+from ray_jobs.core.model_init import (
+    SafetensorsInit,
+    initial_model,
+    initial_slices,
+    loads_by_slice,
+    on_meta,
+    probe_model,
+)
+from ray_jobs.core.pretrained import (
+    WEIGHTS_FILE,
+    is_pretrained,
+    match_names,
+    pretrained_factory,
+    read_weights,
+    tied_names,
+    untied,
+)
 from ray_jobs.data import storage
 from ray_jobs.data.parquet import Dataset, read_dataset, synthesize, table_to_dataset
 from ray_jobs.data.stream import Footers, StreamDataset, plan_stream, read_footers
@@ -32,6 +47,8 @@ from ray_jobs.driver.rerun import check_rerun, record_settings
 # The default data when --data is not given: the DDP tutorial's shape (10 inputs, 5 outputs).
 SYNTHETIC_ROWS, SYNTHETIC_IN, SYNTHETIC_OUT = 1024, 10, 5
 MAX_RUN_NAME = 200
+# An fsdp run's starting weights, written by the driver for the workers to read by slice.
+INITIAL_WEIGHTS_DIR = "initial_weights"
 RUN_NAME = re.compile(rf"[A-Za-z0-9_][A-Za-z0-9._-]{{0,{MAX_RUN_NAME - 1}}}")
 
 
@@ -122,7 +139,27 @@ def prepare(cfg: TrainConfig, strategy: str, claim: Callable[[str, str], None] |
         claim(run_dir, name)
     record_settings(cfg, strategy, run_dir)
     storage.delete_file(storage.join(run_dir, FAILURE_FILE))  # a past attempt's reason
+    if strategy == "fsdp" and isinstance(initial, dict):
+        prepared.initial_state = write_initial_weights(cfg, dataset, factory, initial, run_dir)
     return prepared
+
+
+def write_initial_weights(
+    cfg: TrainConfig, dataset, factory: Callable[..., nn.Module], state: dict[str, torch.Tensor], run_dir: str
+) -> SafetensorsInit | dict[str, torch.Tensor]:
+    """fsdp from a seeded init (or a ``.pt`` ``--init-from``): the weights written once, here, as
+    ``initial_weights/model.safetensors``, for each worker to read its own slices of them, as it
+    reads a pretrained checkpoint's; no worker builds or holds the whole model."""
+    from safetensors.torch import save
+
+    model = probe_model(cfg, dataset, factory)
+    if not on_meta(model):  # a model that cannot be built on meta: each worker builds it, then loads it whole
+        return state
+    data = save(untied(state, tied_names(model)), metadata={"format": "pt"})
+    directory = storage.join(run_dir, INITIAL_WEIGHTS_DIR)
+    storage.write(storage.join(directory, WEIGHTS_FILE), lambda stream: stream.write(data))
+    weights = read_weights(directory, [WEIGHTS_FILE], f"{storage.without_query(str(directory))}")
+    return SafetensorsInit(weights, match_names(model, weights, INITIAL_WEIGHTS_DIR))
 
 
 def initial_weights(

@@ -29,14 +29,37 @@ def steal_fraction(before: tuple[int, int] | None, after: tuple[int, int] | None
     return (after[1] - before[1]) / (after[0] - before[0])
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory: VmHWM (reset by exec, unlike ru_maxrss), else getrusage."""
+def rss_bytes() -> int | None:
+    """This process's resident memory now (Linux VmRSS), else None."""
+    return _status_bytes("VmRSS:")
+
+
+def reset_peak_rss() -> bool:
+    """Start VmHWM again from the current RSS (Linux ``clear_refs`` 5), so a later ``peak_rss_bytes``
+    is the peak of what came after; False where that cannot be done (the peak then covers earlier)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _status_bytes(key: str) -> int | None:
     try:
         with open("/proc/self/status") as status:
             for line in status:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory: VmHWM (reset by exec, unlike ru_maxrss), else getrusage."""
+    peak = _status_bytes("VmHWM:")
+    if peak is not None:
+        return peak
     scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale

@@ -41,7 +41,8 @@ def gpt2_tokens(checkpoints, tmp_path_factory):
 
 @pytest.mark.parametrize(
     "strategy, family, num_workers",
-    [("fsdp", "gpt2", 2), ("fsdp", "llama", 2), ("ddp", "gpt2", 2), ("ddp", "llama", 2), ("dp", "llama", 1)],
+    # ddp on a Hugging Face GPT-2: tests/ray/test_lm_hf.py, from the user's own from_pretrained.
+    [("fsdp", "gpt2", 2), ("fsdp", "llama", 2), ("ddp", "llama", 2), ("dp", "gpt2", 1)],
 )
 def test_a_pretrained_checkpoint_fine_tunes_to_the_single_process_weights(
     ray_cluster, tokens, gpt2_tokens, checkpoints, tmp_path, strategy, family, num_workers

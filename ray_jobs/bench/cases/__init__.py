@@ -15,6 +15,7 @@ from ray_jobs.bench.cases.gpu import GPU_CASES
 from ray_jobs.bench.cases.ingest import ingest_case
 from ray_jobs.bench.cases.lm import lm_case
 from ray_jobs.bench.cases.pipeline import pipeline_case
+from ray_jobs.bench.cases.pretrained import pretrained_case
 from ray_jobs.bench.cases.sharding import sharding_case
 from ray_jobs.bench.cases.stage_memory import stage_memory_case
 from ray_jobs.bench.cases.stream_ingest import stream_ingest_case
@@ -29,6 +30,7 @@ CASES: dict[str, Callable[[Bench, dict[str, Any]], dict[str, Any]]] = {
     "accumulation": accumulation_case,
     "lm": lm_case,
     "sharding": sharding_case,
+    "pretrained": pretrained_case,
     **GPU_CASES,  # --suite gpu's
 }
 
