@@ -28,6 +28,7 @@ TARGET_STREAM_READ_RATIO = 1.2  # Parquet bytes read per epoch over the file's s
 TARGET_GPU_DDP_PER_GPU = 0.99  # raypar DDP's samples/s per GPU over the plain loop's on one GPU
 TARGET_FSDP_STATE_SLACK = 1.1  # FSDP's model state per worker over DDP's: at most this times 1/N
 TARGET_FSDP_SPEED = 0.8  # FSDP's samples/s over DDP's on the same model and workers
+TARGET_FSDP_START = 0.6  # an fsdp worker's start-up RSS over a pretrained checkpoint's bytes, at 2 workers
 TARGET_BF16_SPEEDUP = 3.0  # bf16 over fp32 samples/s, raypar DDP on one GPU, the compute-bound MLP
 MIB = 1024 * 1024
 
@@ -248,6 +249,7 @@ def targets(results: dict[str, Any]) -> list[dict]:
         + stream_targets(results.get("stream_ingest"))
         + lm_targets(results.get("lm"))
         + sharding_targets(results.get("sharding"))
+        + pretrained_targets(results.get("pretrained"))
     )
 
 
@@ -277,6 +279,20 @@ def lm_targets(lm: dict[str, Any] | None) -> list[dict]:
             )
         )
     return found
+
+
+def pretrained_targets(case: dict[str, Any] | None) -> list[dict]:
+    """An fsdp worker starts a pretrained model holding about its share of it, not the whole (one
+    measurement: the bytes do not vary between runs)."""
+    return [
+        target(
+            "fsdp worker start-up RSS / checkpoint bytes, 2 workers",
+            stats([case["startup_ratio"]["fsdp"]]) if case else None,
+            f"<= {TARGET_FSDP_START:g}x",
+            lambda v: v <= TARGET_FSDP_START,
+            "x",
+        )
+    ]
 
 
 def sharding_targets(case: dict[str, Any] | None) -> list[dict]:

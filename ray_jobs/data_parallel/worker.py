@@ -89,6 +89,7 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
     torch.set_num_threads(loop.num_threads)
     dataset = ray.get(loop.dataset)
     device = ray.train.torch.get_device()
+    _load_model_code(cfg, dataset, loop.model_factory)
     baseline = rss_bytes() if reset_peak_rss() else None
     model, wrapped = _build(loop, cfg, dataset, device)
     startup = peak_rss_bytes() - baseline if baseline is not None else None  # the model's start: its weights' cost
@@ -111,6 +112,17 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
         if step_losses is None:
             return  # a non-finite loss, recorded
         worker.end_epoch(epoch, done + step_losses, time.perf_counter() - began, steal_fraction(cpu, cpu_times()))
+
+
+def _load_model_code(cfg: TrainConfig, dataset, factory) -> None:
+    """Build the model once with its parameters on meta and drop it: the modules its code imports on
+    first use (a Hugging Face family's, ~150 MB) are loaded, so the start-up reading that follows
+    is the weights' cost alone, for every strategy alike."""
+    try:
+        with params_on_meta():
+            make_model(cfg, dataset, factory)
+    except ValueError:  # a model that refuses meta parameters (a user's from_pretrained): read with its code
+        pass
 
 
 def _build(loop: LoopConfig, cfg: TrainConfig, dataset, device: torch.device) -> tuple[nn.Module, nn.Module]:
