@@ -98,15 +98,18 @@ def write_safetensors(prepared: PreparedRun, state: dict[str, torch.Tensor]) -> 
     data = save(weights, metadata={"format": "pt"})
     storage.write(storage.join(prepared.run_dir, WEIGHTS_FILE), lambda stream: stream.write(data))
     if is_pretrained(cfg.model):
-        files = {**safetensors_files(weights), **hf_metadata(cfg, prepared.model_factory)}
+        dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
+        files = {**safetensors_files(weights), **hf_metadata(cfg, prepared.model_factory, dtype)}
         targets = [storage.join(prepared.run_dir, HF_DIR, name) for name in files]
         storage.write_many(targets, lambda streams: [out.write(data) for out, data in zip(streams, files.values())])
 
 
-def hf_metadata(cfg: TrainConfig, factory) -> dict[str, bytes]:
-    """A ``hf:`` run's ``config.json`` (the checkpoint's, with ``--model-option``s set) and the
-    checkpoint's tokenizer files."""
+def hf_metadata(cfg: TrainConfig, factory, dtype: str) -> dict[str, bytes]:
+    """A ``hf:`` run's ``config.json`` (the checkpoint's, with ``--model-option``s set, and the dtype
+    the weights were trained and written in: a bf16 checkpoint comes back float32, and a loader
+    that takes the config's word would cast it) and the checkpoint's tokenizer files."""
     config = {**factory.config, **cfg.model_options}
+    config.update({key: dtype for key in ("dtype", "torch_dtype") if key in config})
     files = {CONFIG_FILE: json.dumps(config, indent=2).encode()}
     present = storage.list_dir(factory.directory)
     for name in TOKENIZER_FILES:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -159,3 +160,28 @@ def test_init_from_takes_a_runs_safetensors(gpt2, data, tmp_path):
     save_file(changed, str(tmp_path / "model.safetensors"))
     prepared = prepare(config(data, tmp_path, f"hf:{gpt2}", init_from=str(tmp_path / "model.safetensors")), "ddp")
     torch.testing.assert_close(prepared.initial_state["lm_head.weight"], changed["transformer.wte.weight"])
+
+
+def test_a_checkpoint_in_a_bucket_loads_whole_and_by_its_headers(gpt2, data, tmp_path, s3_endpoint):
+    """hf:s3://...: ddp's driver reads the weights through storage, fsdp's the headers only (ranged
+    reads); the workers' slices are read from a local copy (``sharding._local``), here whole."""
+    import uuid
+
+    import pyarrow.fs as pafs
+
+    from ray_jobs.data import storage
+    from ray_jobs.data_parallel.sharding import _local, read_slices
+
+    bucket = f"raypar-{uuid.uuid4().hex[:8]}"
+    pafs.S3FileSystem(endpoint_override=s3_endpoint, scheme="http", allow_bucket_creation=True).create_dir(bucket)
+    uri = f"s3://{bucket}/gpt2?endpoint_override={s3_endpoint}&scheme=http"
+    for path in sorted(Path(gpt2).iterdir()):
+        storage.write_bytes(storage.join(uri, path.name), path.read_bytes())
+    expected = transformers.AutoModelForCausalLM.from_pretrained(gpt2).state_dict()
+    whole = prepare(config(data, tmp_path / "a", f"hf:{uri}"), "ddp").initial_state
+    assert all(torch.equal(whole[name], tensor) for name, tensor in expected.items())
+    slices = prepare(config(data, tmp_path / "b", f"hf:{uri}"), "fsdp").initial_state
+    filled = {name: torch.empty_like(tensor) for name, tensor in expected.items() if name != "lm_head.weight"}
+    with _local(slices.weights.directory) as local:
+        read_slices(filled, slices, local)
+    assert all(torch.equal(filled[name], expected[name]) for name in filled)
