@@ -27,6 +27,10 @@ for _key, _value in (
     ("AWS_DEFAULT_REGION", "us-east-1"),
 ):
     os.environ.setdefault(_key, _value)
+# Ray Train's own Prometheus metrics (a callback in each fit's controller and workers): no test
+# reads them, and they cost ~0.8 CPU-s a fit on this 2-core machine (docs/performance.md). Users'
+# runs keep Ray's default.
+os.environ.setdefault("RAY_TRAIN_METRICS_ENABLED", "0")
 
 
 def pytest_configure(config):

@@ -262,7 +262,7 @@ SUITES: dict[str, Suite] = {
         ingest_repetitions=2,
         memory=Workload("mlp", 64, 4, rows=128, in_features=64, out_features=64, batch_size=32, epochs=1),
         memory_stages=(1, 2),
-        stream=Workload("mlp", 16, 2, rows=32768, in_features=8, out_features=2, batch_size=256, epochs=1),
+        stream=Workload("mlp", 16, 2, rows=8192, in_features=8, out_features=2, batch_size=256, epochs=1),
         accum=Workload("mlp", 32, 3, rows=512, in_features=8, out_features=4, batch_size=64, epochs=2),
         lm=LmWorkload(n_layer=2, n_head=2, n_embd=32, block_size=16, rows=128, batch_size=16, epochs=2),
         lm_repetitions=1,

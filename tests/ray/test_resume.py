@@ -33,11 +33,12 @@ def test_worker_death_without_retries_fails_instead_of_hanging(ray_cluster, cfg,
     assert not (tmp_path / "run" / "model.pt").exists()  # no final result from a failed run
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "pipeline"])
+# ddp and fsdp: tests/ray/test_interrupts.py, resumed after a SIGKILLed worker.
+@pytest.mark.parametrize("strategy", ["pipeline"])
 def test_a_dropout_model_resumes_to_the_uninterrupted_runs_weights(ray_cluster, cfg, tmp_path, strategy):
-    """Every rank's (stage's) RNG state is in the checkpoint: the masks after a resume are the
-    ones the uninterrupted run drew; and the LR schedule goes on from the checkpoint's step, not
-    from a new warmup."""
+    """Every stage's RNG state is in the checkpoint: the masks after a resume are the ones the
+    uninterrupted run drew; and the LR schedule goes on from the checkpoint's step, not from a new
+    warmup."""
     from ray_jobs.pipeline.scaling import PipelineScaling
 
     # 6 steps an epoch: the resume after epoch 1 lands mid-warmup.
