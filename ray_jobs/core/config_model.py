@@ -17,9 +17,10 @@ class ModelFlags:
     model: str = field(
         default="seed-mlp",
         metadata=flag_doc(
-            f"a registered model ({', '.join(sorted(MODELS))}), or your own as module.path:callable, imported from "
+            f"a registered model ({', '.join(sorted(MODELS))}); your own as module.path:callable, imported from "
             "the working directory or PYTHONPATH and called as callable(in_features, out_features, **options) to "
-            "return an nn.Module",
+            "return an nn.Module; or hf:DIR, a Hugging Face causal LM checkpoint (config.json and safetensors, a "
+            "directory or a URI; pip install 'raypar[hf]'), its weights the starting weights",
             "model",
         ),
     )
@@ -49,7 +50,10 @@ class ModelFlags:
     init_from: str | None = field(
         default=None,
         metadata=flag_doc(
-            "initial weights: a full state_dict (.pt) of the unsplit model", "model", "built after manual_seed(--seed)"
+            "initial weights: a full state_dict (.pt) of the unsplit model, or safetensors (a file, or a directory "
+            "of them: a run's hf/ or a checkpoint's)",
+            "model",
+            "built after manual_seed(--seed); hf:DIR's own",
         ),
     )
 
