@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import socket
 import tempfile
 from collections.abc import Callable
 
@@ -83,12 +84,24 @@ def read_slices(state: dict[str, torch.Tensor], initial: SafetensorsInit, direct
                 continue
             info = initial.weights.tensors[initial.names.files[name]]
             if info.file not in files:
-                files[info.file] = open(os.path.join(directory, info.file), "rb")  # closed below, with the others
+                files[info.file] = _open_weights(directory, info.file)
             local, first_row = _rows_held(target)
             _read_rows(files[info.file], info, first_row, local)
     finally:
         for handle in files.values():
             handle.close()
+
+
+def _open_weights(directory: str, name: str):
+    """A safetensors file every fsdp worker opens itself: a path only the driver's node has is one
+    line saying so, not a bare ``FileNotFoundError`` from one rank."""
+    try:
+        return open(os.path.join(directory, name), "rb")  # closed by read_slices, with the others
+    except FileNotFoundError:
+        raise ValueError(
+            f"{os.path.join(directory, name)} is not on node {socket.gethostname()}: under fsdp every worker reads "
+            "the starting weights itself, so they must be on a filesystem every node shares, or in a bucket"
+        ) from None
 
 
 def _rows_held(target: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -185,3 +185,12 @@ def test_a_checkpoint_in_a_bucket_loads_whole_and_by_its_headers(gpt2, data, tmp
     with _local(slices.weights.directory) as local:
         read_slices(filled, slices, local)
     assert all(torch.equal(filled[name], expected[name]) for name in filled)
+
+
+def test_a_worker_that_cannot_see_the_weights_says_where_they_must_be(gpt2, data, tmp_path):
+    from ray_jobs.data_parallel.sharding import read_slices
+
+    slices = prepare(config(data, tmp_path, f"hf:{gpt2}"), "fsdp").initial_state
+    state = {"transformer.wte.weight": torch.empty(VOCAB, 16)}
+    with pytest.raises(ValueError, match=r"is not on node .*: under fsdp every worker reads the starting weights"):
+        read_slices(state, slices, str(tmp_path / "elsewhere"))
