@@ -72,19 +72,25 @@ def warn_not_reproducible(cfg: TrainConfig, dataset, factory, strategy: str, syn
         warnings.warn(f"{strategy} trains this model but cannot match single-process weights: {found}", stacklevel=2)
 
 
-def probe_model(cfg: TrainConfig, dataset, factory: Callable[..., nn.Module] | None = None) -> nn.Module:
-    """The run's model with its parameters on the meta device, to look at, not to run: built in no
-    time and no memory (a user's function that loads weights itself, ``from_pretrained``, refuses a
-    meta device and meta parameters alike: its model is built for real)."""
+def meta_model(cfg: TrainConfig, dataset, factory: Callable[..., nn.Module] | None = None) -> nn.Module | None:
+    """The run's model with its parameters on the meta device (``params_on_meta``): built in no time
+    and no memory; None for a model that refuses it (a user's function that loads weights itself,
+    ``from_pretrained``, refuses a meta device and meta parameters alike)."""
     try:
         with params_on_meta():
             return make_model(cfg, dataset, factory)
-    except ValueError:  # a function that loads weights itself may refuse even that: built for real
-        return make_model(cfg, dataset, factory)
+    except ValueError:
+        return None
+
+
+def probe_model(cfg: TrainConfig, dataset, factory: Callable[..., nn.Module] | None = None) -> nn.Module:
+    """The run's model to look at, not to run: on meta (``meta_model``), else built for real."""
+    model = meta_model(cfg, dataset, factory)
+    return make_model(cfg, dataset, factory) if model is None else model
 
 
 def on_meta(model: nn.Module) -> bool:
-    """Whether ``model``'s parameters are on the meta device (``probe_model`` could keep them there)."""
+    """Whether ``model``'s parameters are on the meta device (built by ``meta_model``)."""
     return any(param.device.type == "meta" for param in model.parameters())
 
 

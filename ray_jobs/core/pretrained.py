@@ -136,18 +136,10 @@ def _header(target: storage.Target, size: int, what: str) -> tuple[int, dict[str
     return 8 + length, header
 
 
-@dataclass(frozen=True)
-class Checkpoint:
-    """A Hugging Face checkpoint directory: its config and its weights' headers."""
-
-    directory: str
-    config: dict[str, Any]
-    weights: Weights
-
-
-def read_checkpoint(directory: str) -> Checkpoint:
-    """``--model hf:DIR``'s checkpoint, read as far as headers: ``ValueError`` in one line for a
-    hub id, a directory without ``config.json`` or safetensors, or a broken file."""
+def read_config(directory: str) -> dict[str, Any]:
+    """``--model hf:DIR``'s ``config.json``, with the checkpoint's safetensors files named (by its
+    index or its listing; their headers are read where the weights are: ``read_source``):
+    ``ValueError`` in one line for a hub id or a directory without ``config.json`` or safetensors."""
     what = f"--model hf:{directory}"
     entries = storage.file_sizes(directory)
     if not entries:
@@ -165,7 +157,8 @@ def read_checkpoint(directory: str) -> Checkpoint:
         raise ValueError(f"{what}: {CONFIG_FILE} is not JSON ({error})") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise ValueError(f"{what}: {CONFIG_FILE} has no model_type, so no architecture to build")
-    return Checkpoint(storage.absolute(directory), config, read_weights(directory, weight_files(directory, what), what))
+    weight_files(directory, what)
+    return config
 
 
 def weight_files(directory: str, what: str) -> list[str]:
@@ -231,8 +224,8 @@ class PretrainedModel:
 
 def pretrained_factory(name: str) -> PretrainedModel:
     hf_modules()
-    checkpoint = read_checkpoint(name[len(PREFIX) :])
-    return PretrainedModel(checkpoint.directory, checkpoint.config)
+    directory = name[len(PREFIX) :]
+    return PretrainedModel(storage.absolute(directory), read_config(directory))
 
 
 def trained_factory(name: str, run_dir: str) -> PretrainedModel:
@@ -382,11 +375,16 @@ def tied_names(model: nn.Module) -> dict[str, str]:
     return aliases
 
 
+def safetensors_bytes(state: dict[str, torch.Tensor]) -> bytes:
+    """One safetensors file of ``state`` (untied, contiguous), marked as PyTorch's as transformers expects."""
+    from safetensors.torch import save
+
+    return save(state, metadata={"format": "pt"})
+
+
 def safetensors_files(state: dict[str, torch.Tensor], max_bytes: int = MAX_SHARD_BYTES) -> dict[str, bytes]:
     """``state`` as safetensors files by name: ``model.safetensors``, or past ``max_bytes``
     ``model-0000i-of-0000n.safetensors`` and their ``model.safetensors.index.json``."""
-    from safetensors.torch import save
-
     groups: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in state.items():
@@ -397,9 +395,9 @@ def safetensors_files(state: dict[str, torch.Tensor], max_bytes: int = MAX_SHARD
         groups[-1][name] = tensor
         size += nbytes
     if len(groups) == 1:
-        return {WEIGHTS_FILE: save(groups[0], metadata={"format": "pt"})}
+        return {WEIGHTS_FILE: safetensors_bytes(groups[0])}
     names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    files = {name: save(group, metadata={"format": "pt"}) for name, group in zip(names, groups)}
+    files = {name: safetensors_bytes(group) for name, group in zip(names, groups)}
     total = sum(t.numel() * t.element_size() for t in state.values())
     weight_map = {tensor: name for name, group in zip(names, groups) for tensor in group}
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

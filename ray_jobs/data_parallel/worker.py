@@ -37,8 +37,7 @@ from ray_jobs.core.config import TrainConfig
 from ray_jobs.core.evaluation import Validation, combine, is_best, progress, write_best_model
 from ray_jobs.core.failure_record import record_failure
 from ray_jobs.core.lr_schedule import lr_schedule
-from ray_jobs.core.model_init import SafetensorsInit, make_model
-from ray_jobs.core.pretrained import params_on_meta
+from ray_jobs.core.model_init import SafetensorsInit, make_model, meta_model
 from ray_jobs.core.step import (
     build_optimizer,
     grad_scaler,
@@ -89,7 +88,10 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
     torch.set_num_threads(loop.num_threads)
     dataset = ray.get(loop.dataset)
     device = ray.train.torch.get_device()
-    _load_model_code(cfg, dataset, loop.model_factory)
+    # A first build on meta, dropped: the modules the model's code imports on first use (a Hugging Face
+    # family's, ~150 MB) are loaded, so the start-up reading below is the weights' cost alone, for every
+    # strategy alike (a model that refuses meta parameters is read with its code).
+    meta_model(cfg, dataset, loop.model_factory)
     baseline = rss_bytes() if reset_peak_rss() else None
     model, wrapped = _build(loop, cfg, dataset, device)
     startup = peak_rss_bytes() - baseline if baseline is not None else None  # the model's start: its weights' cost
@@ -114,24 +116,12 @@ def train_loop_per_worker(raw: dict[str, Any]) -> None:
         worker.end_epoch(epoch, done + step_losses, time.perf_counter() - began, steal_fraction(cpu, cpu_times()))
 
 
-def _load_model_code(cfg: TrainConfig, dataset, factory) -> None:
-    """Build the model once with its parameters on meta and drop it: the modules its code imports on
-    first use (a Hugging Face family's, ~150 MB) are loaded, so the start-up reading that follows
-    is the weights' cost alone, for every strategy alike."""
-    try:
-        with params_on_meta():
-            make_model(cfg, dataset, factory)
-    except ValueError:  # a model that refuses meta parameters (a user's from_pretrained): read with its code
-        pass
-
-
 def _build(loop: LoopConfig, cfg: TrainConfig, dataset, device: torch.device) -> tuple[nn.Module, nn.Module]:
     """The model with its starting weights, and as the strategy wraps it. Weights left in safetensors
     (``SafetensorsInit``, fsdp only) are read by slice into a model built on meta and sharded."""
     initial = ray.get(loop.initial_state)
-    if isinstance(initial, SafetensorsInit):
-        with params_on_meta():
-            model = make_model(cfg, dataset, loop.model_factory)
+    if isinstance(initial, SafetensorsInit):  # the driver checked that it builds on meta
+        model = meta_model(cfg, dataset, loop.model_factory)
     else:
         model = make_model(cfg, dataset, loop.model_factory)
         model.load_state_dict(initial)

@@ -9,6 +9,7 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
+from torch import nn
 
 from ray_jobs.core.checkpoint import TrainState, latest_checkpoint, latest_progress
 from ray_jobs.core.config import TrainConfig
@@ -20,6 +21,7 @@ from ray_jobs.core.pretrained import (
     TOKENIZER_FILES,
     WEIGHTS_FILE,
     is_pretrained,
+    safetensors_bytes,
     safetensors_files,
     tied_names,
     untied,
@@ -56,6 +58,7 @@ def finish(
 ) -> TrainSummary:
     """Write ``model.pt`` and ``summary.json`` into the run directory and return the summary."""
     cfg, dataset = prepared.cfg, prepared.dataset
+    model = probe_model(cfg, dataset, prepared.model_factory)  # once: a user's from_pretrained builds for real
     summary = TrainSummary(
         strategy=prepared.strategy,
         world_size=world_size,
@@ -76,26 +79,25 @@ def finish(
         grad_norm=metrics.get("grad_norm"),
         task=dataset.task,
         block_size=dataset.block_size,
-        **language_model_throughput(prepared, metrics, world_size),
+        **language_model_throughput(prepared, model, metrics, world_size),
         **validation_summary(prepared, final),
         extra=extra or {},
     )
     storage.write(storage.join(prepared.run_dir, "model.pt"), lambda stream: torch.save(final.model, stream))
-    write_safetensors(prepared, final.model)
+    write_safetensors(prepared, final.model, model)
     if dataset.tokenizer is not None:  # what generate decodes with, beside the model it trained
         storage.write_bytes(storage.join(prepared.run_dir, TOKENIZER_FILE), dataset.tokenizer.encode())
     storage.write_bytes(storage.join(prepared.run_dir, "summary.json"), summary.to_json().encode())
     return summary
 
 
-def write_safetensors(prepared: PreparedRun, state: dict[str, torch.Tensor]) -> None:
-    """``model.safetensors`` (the weights ``model.pt`` holds, a tied tensor once), and for a ``hf:``
-    model ``hf/``: its config, weights and tokenizer as ``from_pretrained`` reads them."""
-    from safetensors.torch import save
-
+def write_safetensors(prepared: PreparedRun, state: dict[str, torch.Tensor], model: nn.Module) -> None:
+    """``model.safetensors`` (the weights ``model.pt`` holds, a tied tensor once: ``model``, the run's
+    ``probe_model``, says which are), and for a ``hf:`` model ``hf/``: its config, weights and
+    tokenizer as ``from_pretrained`` reads them."""
     cfg = prepared.cfg
-    weights = untied(state, tied_names(probe_model(cfg, prepared.dataset, prepared.model_factory)))
-    data = save(weights, metadata={"format": "pt"})
+    weights = untied(state, tied_names(model))
+    data = safetensors_bytes(weights)
     storage.write(storage.join(prepared.run_dir, WEIGHTS_FILE), lambda stream: stream.write(data))
     if is_pretrained(cfg.model):
         dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
@@ -118,12 +120,14 @@ def hf_metadata(cfg: TrainConfig, factory, dtype: str) -> dict[str, bytes]:
     return files
 
 
-def language_model_throughput(prepared: PreparedRun, metrics: dict[str, Any], world_size: int) -> dict[str, Any]:
-    """lm: tokens/s (global and per worker), FLOPs per token and, on GPUs, MFU; else nothing."""
+def language_model_throughput(
+    prepared: PreparedRun, model: nn.Module, metrics: dict[str, Any], world_size: int
+) -> dict[str, Any]:
+    """lm: tokens/s (global and per worker), FLOPs per token (of ``model``, the run's ``probe_model``)
+    and, on GPUs, MFU; else nothing."""
     cfg, dataset = prepared.cfg, prepared.dataset
     if dataset.task != "lm":
         return {}
-    model = probe_model(cfg, dataset, prepared.model_factory)
     flops = flops_per_token(model, model_record(cfg, dataset), dataset.block_size)
     peak = (
         peak_tflops(metrics.get("device_name"), cfg.precision, cfg.peak_tflops) if metrics.get("device_name") else None

@@ -27,8 +27,7 @@ from ray_jobs.core.model_init import (
     initial_model,
     initial_slices,
     loads_by_slice,
-    on_meta,
-    probe_model,
+    meta_model,
 )
 from ray_jobs.core.pretrained import (
     WEIGHTS_FILE,
@@ -36,6 +35,7 @@ from ray_jobs.core.pretrained import (
     match_names,
     pretrained_factory,
     read_weights,
+    safetensors_bytes,
     tied_names,
     untied,
 )
@@ -150,12 +150,10 @@ def write_initial_weights(
     """fsdp from a seeded init (or a ``.pt`` ``--init-from``): the weights written once, here, as
     ``initial_weights/model.safetensors``, for each worker to read its own slices of them, as it
     reads a pretrained checkpoint's; no worker builds or holds the whole model."""
-    from safetensors.torch import save
-
-    model = probe_model(cfg, dataset, factory)
-    if not on_meta(model):  # a model that cannot be built on meta: each worker builds it, then loads it whole
+    model = meta_model(cfg, dataset, factory)
+    if model is None:  # a model that cannot be built on meta: each worker builds it, then loads it whole
         return state
-    data = save(untied(state, tied_names(model)), metadata={"format": "pt"})
+    data = safetensors_bytes(untied(state, tied_names(model)))
     directory = storage.join(run_dir, INITIAL_WEIGHTS_DIR)
     storage.write(storage.join(directory, WEIGHTS_FILE), lambda stream: stream.write(data))
     weights = read_weights(directory, [WEIGHTS_FILE], f"{storage.without_query(str(directory))}")

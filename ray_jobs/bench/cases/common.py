@@ -15,7 +15,7 @@ from typing import Any
 from ray_jobs.bench.peer import torch_ddp
 from ray_jobs.bench.stats import quiet, steady
 from ray_jobs.bench.suites import LmWorkload, Suite, Workload
-from ray_jobs.core.config import TrainConfig
+from ray_jobs.core.config import TrainConfig, WorkerScaling
 from ray_jobs.data.parquet import synthesize, write_table
 from ray_jobs.driver.prepare import prepare
 from ray_jobs.observability.process_stats import cpu_times, steal_fraction
@@ -54,8 +54,26 @@ class Bench:
             write_table(synthesize(work.rows, work.in_features, work.out_features, "regression", seed=0), path)
 
     def config(self, work: Workload | LmWorkload, data: str, label: str) -> TrainConfig:
+        return work.config(data, self.storage_path, self.run_name(label))
+
+    def run_name(self, label: str) -> str:
+        """A new run's ``--name``: this bench process's, numbered, labelled."""
         self.runs += 1
-        return work.config(data, self.storage_path, f"bench-{os.getpid()}-{self.runs:03d}-{label}")
+        return f"bench-{os.getpid()}-{self.runs:03d}-{label}"
+
+    def fit_workers(self, cfg: TrainConfig, strategy: str, num_workers: int):
+        """``cfg`` trained by ddp or fsdp on ``num_workers`` Ray Train workers, its run directory
+        removed after; the run's ``TrainSummary``."""
+        from ray_jobs import ddp
+        from ray_jobs.data_parallel import fsdp
+
+        prepared = prepare(cfg, strategy)
+        if strategy == "fsdp":
+            summary = fsdp.run(prepared, fsdp.ShardedScaling(num_workers=num_workers))
+        else:
+            summary = ddp.run(prepared, WorkerScaling(num_workers=num_workers))
+        self.clean(prepared.run_dir)
+        return summary
 
     def peer(
         self,

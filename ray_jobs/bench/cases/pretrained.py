@@ -18,9 +18,8 @@ import pyarrow as pa
 
 from ray_jobs.bench.cases.common import Bench
 from ray_jobs.bench.suites import GPTShape
-from ray_jobs.core.config import TrainConfig, WorkerScaling
+from ray_jobs.core.config import TrainConfig
 from ray_jobs.data.parquet import TOKENS_COLUMN, VOCAB_SIZE_KEY, write_table
-from ray_jobs.driver.prepare import prepare
 
 NUM_WORKERS = 2
 STRATEGIES = ("ddp", "fsdp")
@@ -75,18 +74,8 @@ def write_byte_rows(shape: GPTShape, path: str) -> str:
 
 
 def _fit(bench: Bench, strategy: str, checkpoint: str, data: str, shape: GPTShape) -> list[int]:
-    from ray_jobs import ddp
-    from ray_jobs.data_parallel import fsdp
-
-    bench.runs += 1
     cfg = TrainConfig(
         model=f"hf:{checkpoint}", data=data, task="lm", epochs=1, batch_size=shape.batch_size, lr=1e-4,
-        storage_path=bench.storage_path, name=f"bench-{os.getpid()}-{bench.runs:03d}-pretrained-{strategy}",
+        storage_path=bench.storage_path, name=bench.run_name(f"pretrained-{strategy}"),
     )  # fmt: skip
-    prepared = prepare(cfg, strategy)
-    if strategy == "fsdp":
-        summary = fsdp.run(prepared, fsdp.ShardedScaling(num_workers=NUM_WORKERS))
-    else:
-        summary = ddp.run(prepared, WorkerScaling(num_workers=NUM_WORKERS))
-    bench.clean(prepared.run_dir)
-    return summary.extra["worker_startup_rss_bytes"]
+    return bench.fit_workers(cfg, strategy, NUM_WORKERS).extra["worker_startup_rss_bytes"]

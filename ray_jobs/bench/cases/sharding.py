@@ -25,8 +25,6 @@ from ray_jobs.bench.cases.data_parallel import max_workers
 from ray_jobs.bench.stats import ratio, stats, steady, summarise
 from ray_jobs.bench.suites import GPTShape
 from ray_jobs.core.activations import HeldForBackward, checkpoint_activations
-from ray_jobs.core.config import WorkerScaling
-from ray_jobs.driver.prepare import prepare
 
 STRATEGIES = ("ddp", "fsdp")
 # AdamW: the optimizer state is twice the weights, the case FSDP is for (~16 bytes a parameter with DDP).
@@ -64,16 +62,8 @@ def sharding_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fit(bench: Bench, strategy: str, num_workers: int, state: dict[str, list[dict[str, int]]]) -> dict[str, Any]:
-    from ray_jobs import ddp
-    from ray_jobs.data_parallel import fsdp
-
     cfg = dataclasses.replace(bench.config(bench.suite.ddp, bench.ddp_data, f"{strategy}{num_workers}"), **OPTIMIZER)
-    prepared = prepare(cfg, strategy)
-    if strategy == "fsdp":
-        summary = fsdp.run(prepared, fsdp.ShardedScaling(num_workers=num_workers))
-    else:
-        summary = ddp.run(prepared, WorkerScaling(num_workers=num_workers))
-    bench.clean(prepared.run_dir)
+    summary = bench.fit_workers(cfg, strategy, num_workers)
     state[strategy] = summary.extra["worker_model_state_bytes"]
     return {
         "samples_per_second": steady(summary.extra["epoch_seconds"], bench.suite.ddp.samples_per_epoch),
