@@ -56,7 +56,7 @@ def unit_seconds(model: nn.Sequential, sample: torch.Tensor, repeats: int = 5) -
     return seconds
 
 
-def _balanced_cuts(weights: list[int], num_stages: int) -> list[int]:
+def balanced_cuts(weights: list[int], num_stages: int) -> list[int]:
     """Start index of each stage in a contiguous partition minimising the largest stage weight."""
     n = len(weights)
     prefix = [0]
@@ -80,6 +80,18 @@ def _balanced_cuts(weights: list[int], num_stages: int) -> list[int]:
     return cuts[::-1]
 
 
+def check_num_stages(num_stages: int, num_units: int, deeper: str) -> None:
+    """A cut into ``num_stages`` of a model of ``num_units`` units is possible; ``deeper``: what
+    else the user could bring."""
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"--num-stages must be a positive integer, got {num_stages!r}")
+    if num_stages > num_units:
+        raise ValueError(
+            f"--num-stages {num_stages} is more than the model's {num_units} layers; "
+            f"use at most {num_units} stages or {deeper}"
+        )
+
+
 def split_into_stages(model: nn.Module, num_stages: int, unit_costs: list[float] | None = None) -> list[nn.Module]:
     """Split an ``nn.Sequential`` into ``num_stages`` sequential stages between its top-level
     children (each child may be any module, nested to any depth), balanced by parameter count, or
@@ -93,18 +105,12 @@ def split_into_stages(model: nn.Module, num_stages: int, unit_costs: list[float]
             f"the pipeline cuts a model between the children of an nn.Sequential; the model is a "
             f"{type(model).__name__}: return an nn.Sequential (its children may be any modules)"
         )
-    if not isinstance(num_stages, int) or num_stages < 1:
-        raise ValueError(f"--num-stages must be a positive integer, got {num_stages!r}")
     units = _units(model)
-    if num_stages > len(units):
-        raise ValueError(
-            f"--num-stages {num_stages} is more than the model's {len(units)} layers; "
-            f"use at most {len(units)} stages or a deeper model (--depth)"
-        )
+    check_num_stages(num_stages, len(units), "a deeper model (--depth)")
     if unit_costs is not None and len(unit_costs) != len(units):
         raise ValueError(f"{len(unit_costs)} unit costs for a model of {len(units)} units")
     costs = unit_costs if unit_costs is not None else [_num_params(unit) for unit in units]
-    starts = _balanced_cuts(costs, num_stages) + [len(units)]
+    starts = balanced_cuts(costs, num_stages) + [len(units)]
     return [
         NamedSequential(**{name: child for unit in units[starts[k] : starts[k + 1]] for name, child in unit})
         for k in range(num_stages)

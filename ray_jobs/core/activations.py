@@ -16,15 +16,16 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
-def checkpoint_activations(model: nn.Module) -> list[str]:
+def checkpoint_activations(model: nn.Module, children: list[tuple[str, nn.Module]] | None = None) -> list[str]:
     """Run each top-level child that has parameters (the GPT's blocks, an MLP's Linears, a user
     model's children) under ``torch.utils.checkpoint``: non-reentrant, with the RNG state kept,
     so a recomputed dropout draws the masks its forward drew and the gradients are the ones
     without it. The child's ``forward`` is replaced on the instance, so parameter names,
     ``state_dict`` keys and the hooks a wrapper sets around ``__call__`` (FSDP's all-gather, DDP's)
-    stay as they were. Returns the children's names."""
+    stay as they were. ``children``: the blocks to run so, by name, when not ``model``'s own (a
+    Hugging Face pipeline stage's decoder layers). Returns the children's names."""
     names = []
-    for name, child in model.named_children():
+    for name, child in model.named_children() if children is None else children:
         if next(child.parameters(), None) is None:
             continue  # an activation or a dropout: nothing to save by recomputing it alone
         child.forward = functools.partial(checkpoint, child.forward, use_reentrant=False, preserve_rng_state=True)

@@ -89,6 +89,28 @@ def probe_model(cfg: TrainConfig, dataset, factory: Callable[..., nn.Module] | N
     return make_model(cfg, dataset, factory) if model is None else model
 
 
+def materialize(module: nn.Module, device: torch.device) -> nn.Module:
+    """``module``, its parameters built on meta (``params_on_meta``), given memory on ``device`` to load
+    weights into: the buffers it computed when built (a rotary ``inv_freq``, in no checkpoint) keep
+    their values, and parameters it ties (an embedding and its head) stay one tensor, which
+    ``to_empty`` alone would make two."""
+    buffers = {name: buffer.clone() for name, buffer in module.named_buffers() if not buffer.is_meta}
+    first: dict[int, str] = {}
+    tied = {}  # a parameter's second name -> its first
+    for name, param in module.named_parameters(remove_duplicate=False):
+        tied.update({name: first[id(param)]} if id(param) in first else {})
+        first.setdefault(id(param), name)
+    module.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            if name in buffers:
+                buffer.copy_(buffers[name])
+    for alias, first in tied.items():
+        parent, _, attribute = alias.rpartition(".")
+        setattr(module.get_submodule(parent), attribute, module.get_parameter(first))
+    return module
+
+
 def on_meta(model: nn.Module) -> bool:
     """Whether ``model``'s parameters are on the meta device (built by ``meta_model``)."""
     return any(param.device.type == "meta" for param in model.parameters())

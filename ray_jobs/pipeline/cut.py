@@ -9,20 +9,69 @@ from dataclasses import dataclass
 
 import torch
 
-from models import split_into_stages, unit_names, unit_seconds
+from models import NamedSequential, split_into_stages, unit_names, unit_seconds
+from models.split import balanced_cuts, check_num_stages
 from ray_jobs.core.config import TrainConfig
 from ray_jobs.core.model_init import make_model, probe_input
+from ray_jobs.core.pretrained import params_on_meta
 from ray_jobs.core.step import autocast
+from ray_jobs.pipeline import hf_stages
 
 
 def meta_stages(
-    cfg: TrainConfig, dataset, num_stages: int, model_factory=None, unit_costs: list[float] | None = None
+    cfg: TrainConfig,
+    dataset,
+    num_stages: int,
+    model_factory=None,
+    unit_costs: list[float] | None = None,
+    real_buffers: bool = False,
 ) -> list[torch.nn.Module]:
     """The model cut into stages on the meta device: shapes and names, no memory. ``unit_costs``:
-    what the cut balances (``StageCut``), parameter counts when None."""
-    with torch.device("meta"):
+    what the cut balances (``StageCut``), parameter counts when None. ``real_buffers``: the
+    buffers a model computes as it is built (a rotary embedding's ``inv_freq``, in no checkpoint)
+    keep their values, for a stage that will run; a meta forward (``boundary_shapes``) needs them
+    on meta too."""
+    with params_on_meta() if real_buffers else torch.device("meta"):
         model = make_model(cfg, dataset, model_factory)
+    return split_model(model, num_stages, cfg.model, unit_costs)
+
+
+def split_model(
+    model: torch.nn.Module, num_stages: int, name: str, unit_costs: list[float] | None = None
+) -> list[torch.nn.Module]:
+    """An ``nn.Sequential`` cut between its children (``models.split_into_stages``); a Hugging Face
+    GPT-2 or Llama between its embeddings, decoder layers and head (``hf_stages``); ``name``: the
+    ``--model`` a refusal names."""
+    if hf_stages.family_of(model) is not None:
+        costs = unit_costs if unit_costs is not None else hf_stages.unit_sizes(model)
+        check_num_stages(num_stages, len(costs), "a deeper checkpoint")
+        return hf_stages.split_hf(model, balanced_cuts(costs, num_stages))
+    if hf_stages.is_hugging_face(model):
+        raise hf_stages.refuse(model, name)
     return split_into_stages(model, num_stages, unit_costs)
+
+
+def stage_units(stage: torch.nn.Module) -> list[list[str]]:
+    """The units a stage holds, each as the names of its parts."""
+    if isinstance(stage, hf_stages.HFStage):
+        return [[label] for label in stage.unit_labels]
+    return unit_names(stage)
+
+
+def shared_parameters(stages: list[torch.nn.Module]) -> list[dict[str, list[int]]]:
+    """For each stage, its parameters that other stages hold too (a tied embedding and head cut
+    apart), by name, with every stage holding each, in order: their gradients are summed over
+    those stages before a step, as one tensor's would be."""
+    holders: dict[int, list[tuple[int, str]]] = {}
+    for index, stage in enumerate(stages):
+        for name, param in stage.named_parameters():
+            holders.setdefault(id(param), []).append((index, name))
+    shared: list[dict[str, list[int]]] = [{} for _ in stages]
+    for held in holders.values():
+        if len(held) > 1:
+            for index, name in held:
+                shared[index][name] = [holder for holder, _ in held]
+    return shared
 
 
 def stage_keys(
@@ -39,11 +88,13 @@ class StageCut:
     keys: list[set[str]]
     """Each stage's ``state_dict`` keys: what of a full state each stage is sent."""
     children: list[list[str]]
-    """Each stage's top-level children, by name."""
+    """Each stage's top-level children (a Hugging Face model's units), by name."""
     num_units: list[int]
     """How many units (``models.unit_names``) each stage holds."""
     unit_costs: list[float] | None
     """What the cut balances, one per unit (``models.unit_names``); None: parameter counts."""
+    shared: list[str]
+    """The names of the weights several stages hold (``shared_parameters``), each stage's name."""
 
 
 def cut_stages(
@@ -52,10 +103,15 @@ def cut_stages(
     stages = meta_stages(cfg, dataset, num_stages, model_factory, unit_costs)
     return StageCut(
         [set(stage.state_dict()) for stage in stages],
-        [list(dict(stage.named_children())) for stage in stages],
-        [len(unit_names(stage)) for stage in stages],
+        [[name for unit in stage_units(stage) for name in unit] for stage in stages],
+        [len(stage_units(stage)) for stage in stages],
         unit_costs,
+        shared_names(stages),
     )
+
+
+def shared_names(stages: list[torch.nn.Module]) -> list[str]:
+    return sorted({name for held in shared_parameters(stages) for name in held})
 
 
 def measured_unit_costs(
@@ -70,7 +126,7 @@ def measured_unit_costs(
     stage's thread count (``--stage-balance time``), with the run's initial weights: the tensors
     the driver already holds, not a second model (only gradients are made, and dropped). Buffers
     are copied: a training-mode forward updates BatchNorm's running statistics."""
-    with torch.device("meta"):
+    with params_on_meta():
         model = make_model(cfg, dataset, model_factory)
     buffers = {name for name, _ in model.named_buffers()}
     model.load_state_dict(
@@ -82,9 +138,17 @@ def measured_unit_costs(
     torch.set_num_threads(num_threads)
     try:
         with autocast(cfg.precision, torch.device("cpu")):
-            return unit_seconds(model, sample)
+            return unit_seconds(_by_unit(model), sample)
     finally:
         torch.set_num_threads(threads)
+
+
+def _by_unit(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` as a sequence of its units, each one child, for ``unit_seconds``."""
+    if hf_stages.family_of(model) is None:
+        return model
+    stages = hf_stages.split_hf(model, list(range(len(hf_stages.unit_labels(model)))))
+    return NamedSequential(**{f"unit_{index}": stage for index, stage in enumerate(stages)})
 
 
 def boundary_shapes(stages: list[torch.nn.Module], dataset) -> list[tuple[tuple[int, ...], torch.dtype]]:

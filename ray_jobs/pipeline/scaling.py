@@ -20,7 +20,7 @@ from ray_jobs.core.config import (
 from ray_jobs.core.pretrained import is_pretrained
 from ray_jobs.driver.prepare import PreparedRun
 from ray_jobs.driver.resources import gpu_sharing
-from ray_jobs.pipeline.cut import StageCut, cut_stages, measured_unit_costs, stage_keys
+from ray_jobs.pipeline.cut import StageCut, cut_stages, measured_unit_costs, meta_stages, shared_names
 from ray_jobs.pipeline.schedules import SCHEDULES
 from ray_jobs.pipeline.transports import TRANSPORTS
 
@@ -130,20 +130,21 @@ class PipelineScaling:
                 "refuses two ranks on one device): use --transport p2p or actor_calls, or "
                 "--gpus-per-stage 1"
             )
-        if is_pretrained(cfg.model):
-            raise ValueError(
-                f"--model {cfg.model}: the pipeline cannot cut a Hugging Face checkpoint yet (it needs the model "
-                "as a sequence of stages: embeddings, decoder layers, final norm and head); fine-tune it with "
-                "ray_jobs.ddp, ray_jobs.fsdp or ray_jobs.dp"
-            )
         # A registered model's layer count does not depend on the data's widths, so any widths tell
         # whether S fits; a user's model may need its real widths: it is cut once the data is read.
-        if not is_user_model(cfg.model):
+        if not is_user_model(cfg.model) and not is_pretrained(cfg.model):
             split_into_stages(build_model(cfg.model, 1, 1, **cfg.model_options), self.num_stages)
 
-    def check_model(self, prepared: PreparedRun) -> list[set[str]]:
-        """Cut the model (on the meta device) with the data's widths: each stage's state_dict keys."""
-        return stage_keys(prepared.cfg, prepared.dataset, self.num_stages, prepared.model_factory)
+    def check_model(self, prepared: PreparedRun) -> None:
+        """Cut the model (on the meta device) with the data's widths."""
+        stages = meta_stages(prepared.cfg, prepared.dataset, self.num_stages, prepared.model_factory)
+        shared = shared_names(stages)
+        if shared and self.transport not in ("auto", "p2p"):
+            raise ValueError(
+                f"--transport {self.transport} cannot train this cut: {' and '.join(shared)} are one weight held by "
+                "two stages (a tied embedding and head), whose gradients the stages sum over p2p's process "
+                "group; use --transport p2p, or --num-stages 1"
+            )
 
     def cut(self, prepared: PreparedRun) -> StageCut:
         """How the run's model is cut, by ``--stage-balance``; said on one line when measured."""

@@ -31,12 +31,13 @@ from ray_jobs.core.checkpoint import (
 )
 from ray_jobs.core.config import TrainConfig
 from ray_jobs.core.lr_schedule import lr_schedule
+from ray_jobs.core.model_init import materialize
 from ray_jobs.core.step import autocast, build_optimizer, grad_scaler, loss_function, rank_seed
 from ray_jobs.data.device_copy import to_device
 from ray_jobs.data.stream import open_source
 from ray_jobs.errors import PeerLost, described
 from ray_jobs.observability.process_stats import peak_rss_bytes
-from ray_jobs.pipeline.cut import boundary_shapes, meta_stages
+from ray_jobs.pipeline.cut import boundary_shapes, meta_stages, shared_parameters
 from ray_jobs.pipeline.schedules import FORWARD, SCHEDULES, peak_live_activations
 from ray_jobs.testing import faults
 
@@ -86,11 +87,15 @@ class StageWorker:
         stages = meta_stages(cfg, dataset, num_stages, model_factory, unit_costs)
         # What crosses each cut, per row: a receiver must know the shape before the bytes arrive.
         self.boundary_shapes = boundary_shapes(stages, dataset)
+        # A weight two stages hold (a tied embedding and head cut apart): its gradient is summed
+        # over them before each step.
+        self.shared = shared_parameters(stages)[stage_index]
         # Only this stage's layers ever get memory: the whole model exists on the meta device.
-        self.module = stages[stage_index].to_empty(device=self.device)
+        own = meta_stages(cfg, dataset, num_stages, model_factory, unit_costs, real_buffers=True)[stage_index]
+        self.module = materialize(own, self.device)
         self.module.load_state_dict(initial_slice)
-        if cfg.activation_checkpointing:
-            checkpoint_activations(self.module)  # each of this stage's top-level blocks
+        if cfg.activation_checkpointing:  # each of this stage's top-level blocks, or decoder layers
+            checkpoint_activations(self.module, getattr(self.module, "checkpoint_units", lambda: None)())
         self.optimizer = build_optimizer(self.module.parameters(), cfg)
         # The LR of each optimizer step, counted over the run as the workers count it: a restore
         # sets where this stage's count resumes.
@@ -172,6 +177,7 @@ class StageWorker:
         began = time.perf_counter()
         self.schedule.apply(self.optimizer, self.optimizer_steps)
         self.optimizer_steps += 1  # a step fp16 skips still counts, as LambdaLR counts it
+        self._sum_shared_grads()
         if self.clip_norm is not None:
             self._clip()
         if self.scaler is None:
@@ -185,17 +191,43 @@ class StageWorker:
         loss, self.loss_sum = self.loss_sum.item() / self.num_microbatches, torch.zeros(())
         return loss
 
+    def _sum_shared_grads(self) -> None:
+        """Each weight this stage shares with others: its gradient becomes the sum of every holder's,
+        added in stage order on each, so the holders step alike, as the one tensor they stand for
+        would (p2p's process group carries them)."""
+        for index, (name, holders) in enumerate(sorted(self.shared.items())):
+            param = self.module.get_parameter(name)
+            mine = torch.zeros_like(param, device="cpu") if param.grad is None else param.grad.to("cpu")
+            tag = 2 * self.num_microbatches + index  # after every micro-batch's forward and backward tags
+            peers = [peer for peer in holders if peer != self.stage_index]
+            sends = [self._gloo(CALLS, dist.isend, mine, peer, tag=tag) for peer in peers]
+            grads = {self.stage_index: mine}
+            for peer in peers:
+                grads[peer] = torch.empty_like(mine)
+                self._gloo(CALLS, dist.recv, grads[peer], peer, tag=tag)
+            for work in sends:
+                self._gloo(CALLS, work.wait)
+            total = grads[holders[0]].clone()
+            for holder in holders[1:]:
+                total += grads[holder]
+            param.grad = total.to(param.device)
+
     def _clip(self) -> None:
         """``clip_grad_norm_`` over the whole model, not this stage: each stage's squared norm is
         summed over the stages (p2p's process group), and every stage scales its gradients by the
-        one coefficient that norm gives, as one process would."""
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        one coefficient that norm gives, as one process would. A shared weight counts once, on the
+        first stage holding it."""
+        counted = [param for name, param in self.module.named_parameters() if self._counts(name)]
+        grads = [p.grad for p in counted if p.grad is not None]
         squared = torch.nn.utils.get_total_norm(grads).pow(2).reshape(1) if grads else torch.zeros(1)
         if dist.is_initialized():
             self._gloo(CALLS, dist.all_reduce, squared, op=dist.ReduceOp.SUM)
         total = squared.sqrt()[0]
         torch.nn.utils.clip_grads_with_norm_(self.module.parameters(), self.clip_norm, total)
         self.grad_norms.append(float(total))
+
+    def _counts(self, name: str) -> bool:
+        return self.shared.get(name, [self.stage_index])[0] == self.stage_index
 
     def take_grad_norms(self) -> list[float]:
         """The whole model's gradient norm before clipping of each step since the last call."""

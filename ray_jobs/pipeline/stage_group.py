@@ -64,7 +64,10 @@ class StageGroup:
                 f"within --resource-timeout {timeout:g} s ({scaling.placement_strategy})"
             )
         requested = resolve_transport(
-            scaling, _bundle_nodes(self.group), prepared.cfg.precision, prepared.cfg.grad_clip_norm is not None
+            scaling,
+            _bundle_nodes(self.group),
+            prepared.cfg.precision,
+            prepared.cfg.grad_clip_norm is not None or bool(self.cut.shared),
         )
         device_transport = scaling.use_gpu and requested == "compiled"
         dataset = ray.put(prepared.dataset)

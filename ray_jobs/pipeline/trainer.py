@@ -31,7 +31,7 @@ from ray_jobs.core.checkpoint import (
 from ray_jobs.core.evaluation import Validation, is_best, progress, validate, write_best_model
 from ray_jobs.core.failure_record import record_failure
 from ray_jobs.core.lr_schedule import lr_schedule
-from ray_jobs.core.model_init import make_model
+from ray_jobs.core.model_init import probe_model
 from ray_jobs.core.step import non_finite_loss, norm_readings
 from ray_jobs.data import storage
 from ray_jobs.data.stream import epoch_indices, reader_stats, stream_reader
@@ -155,8 +155,8 @@ def _validate(stages: StageGroup, prepared: PreparedRun, state: TrainState) -> V
     if prepared.val_dataset is None:
         return None
     state.model, state.optimizer, state.rng, state.scaler = stages.gather_state()
-    with torch.device("meta"):
-        model = make_model(prepared.cfg, prepared.dataset, prepared.model_factory)
+    # On meta, bar the buffers a model computes as it is built (a rotary inv_freq, in no checkpoint).
+    model = probe_model(prepared.cfg, prepared.dataset, prepared.model_factory)
     model.load_state_dict(state.model, assign=True)  # the gathered tensors themselves: no second copy
     result = validate(model, prepared.val_dataset, torch.device("cpu"))
     state.val_losses.append(result.loss)

@@ -42,7 +42,7 @@ class BatchTimeout(RuntimeError):
     """A submitted call's batches did not finish in time."""
 
 
-def resolve_transport(scaling, nodes: list[str], precision: str = "fp32", clips: bool = False) -> str:
+def resolve_transport(scaling, nodes: list[str], precision: str = "fp32", needs_group: bool = False) -> str:
     """``auto``: GPU stages on one node, each on its own GPU, talk over nccl through a compiled
     graph (GPU to GPU); everything else uses p2p. p2p stays on gloo even between GPUs: nccl matches sends and
     receives by order, not tag, and a stage's interleaved sends and early-posted receives
@@ -50,10 +50,11 @@ def resolve_transport(scaling, nodes: list[str], precision: str = "fp32", clips:
     if scaling.transport != "auto":
         return scaling.transport
     # Stages that may share a GPU cannot be nccl peers: p2p (gloo) carries them. fp16's stages
-    # agree on skipping overflowing steps, and clipping stages sum their gradients' norms, over
-    # p2p's process group, which only p2p has.
+    # agree on skipping overflowing steps, clipping stages sum their gradients' norms, and stages
+    # holding one weight sum its gradients (``needs_group``), over p2p's process group, which only
+    # p2p has.
     one_node = len(set(nodes)) == 1
-    nccl = scaling.use_gpu and one_node and not scaling.shared_gpus and precision != "fp16" and not clips
+    nccl = scaling.use_gpu and one_node and not scaling.shared_gpus and precision != "fp16" and not needs_group
     return "compiled" if nccl else "p2p"
 
 

@@ -1,12 +1,13 @@
-"""A Hugging Face checkpoint fine-tuned with ``--model hf:DIR`` by every data-parallel strategy ends
-on the weights of the same checkpoint fine-tuned by plain single-process torch (SGD: AdamW would
-magnify the float-order noise of the workers' sums, as the brief measured), and fsdp reads it by
-slice. The checkpoints are tiny and written by the tests (tests/pretrained.py)."""
+"""A Hugging Face checkpoint fine-tuned with ``--model hf:DIR`` by every strategy, the pipeline
+included, ends on the weights of the same checkpoint fine-tuned by plain single-process torch (SGD:
+AdamW would magnify the float-order noise of the workers' sums, as the brief measured); fsdp reads
+it by slice and writes it back by slice. The checkpoints are tiny and written by the tests (tests/pretrained.py)."""
 
 from __future__ import annotations
 
 import pytest
 
+from ray_jobs.pipeline.scaling import PipelineScaling
 from tests.helpers import assert_same_weights, lm_config, load_weights, reference_for, run_strategy
 from tests.pretrained import pretrained_reference, write_gpt2, write_llama, write_tokenizer
 
@@ -42,14 +43,19 @@ def gpt2_tokens(checkpoints, tmp_path_factory):
 @pytest.mark.parametrize(
     "strategy, family, num_workers",
     # ddp on a Hugging Face GPT-2: tests/ray/test_lm_hf.py, from the user's own from_pretrained.
-    [("fsdp", "gpt2", 2), ("fsdp", "llama", 2), ("ddp", "llama", 2), ("dp", "gpt2", 1)],
-)
+    # The pipeline's GPT-2 in 3 stages: embeddings | both layers | head, the tied weight on the first and last.
+    [("fsdp", "gpt2", 2), ("fsdp", "llama", 2), ("ddp", "llama", 2), ("dp", "gpt2", 1), ("pipeline", "gpt2", 3),
+     ("pipeline", "llama", 2)],
+)  # fmt: skip
 def test_a_pretrained_checkpoint_fine_tunes_to_the_single_process_weights(
     ray_cluster, tokens, gpt2_tokens, checkpoints, tmp_path, strategy, family, num_workers
 ):
     data = gpt2_tokens if family == "gpt2" else tokens  # the Llama's is byte tokens: 257 ids of its 300
     cfg = lm_config(data, tmp_path, model=f"hf:{checkpoints[family]}", model_option=[])
-    summary = run_strategy(strategy, cfg, num_workers=num_workers)
+    scaling = PipelineScaling(num_stages=num_workers, num_microbatches=2) if strategy == "pipeline" else None
+    summary = run_strategy(strategy, cfg, num_workers=num_workers, scaling=scaling)
+    if strategy == "pipeline" and family == "gpt2":
+        assert summary.extra["stage_children"] == [["embed"], ["transformer.h.0", "transformer.h.1"], ["head"]]
     expected, losses = pretrained_reference(cfg, reference_for)
     # Tolerance (assert_same_weights): the workers' float32 sums in another order than one batch's.
     assert_same_weights(load_weights(summary.run_dir), expected)
