@@ -28,4 +28,18 @@ def pretrained_section(pretrained: dict[str, Any] | None) -> list[str]:
         "worker's over the checkpoint's bytes. fsdp builds on meta, shards, and reads only its own rows.",
         "",
         markdown_table(["strategy", *ranks, "÷ checkpoint"], rows),
+        *_export_line(pretrained.get("export") or {}),
+    ]
+
+
+def _export_line(export: dict[str, Any]) -> list[str]:
+    """fsdp's way out: each rank wrote its slices; how far the driver's memory rose consolidating them."""
+    if export.get("export_peak_growth_bytes") is None:
+        return []
+    size, growth = export["export_bytes"], export["export_peak_growth_bytes"]
+    return [
+        "",
+        f"At the end, each fsdp rank wrote its own slices of the weights; the driver consolidated the "
+        f"{size / MIB:,.0f} MiB into `model.safetensors` and `hf/` with its memory rising {growth / MIB:,.0f} MiB "
+        f"at peak ({growth / size:.2f}× the weights): one tensor at a time.",
     ]

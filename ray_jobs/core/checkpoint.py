@@ -29,6 +29,9 @@ CHECKPOINT_FILE = "checkpoint.pt"
 CHECKPOINT_PREFIX = "checkpoint_"
 SHARDS_DIR = "shards"  # an fsdp checkpoint's torch.distributed.checkpoint files: one per rank, and .metadata
 SHARDS_METADATA = ".metadata"  # what DCP wrote last, on rank 0: every shard file's name and extent
+# An fsdp run's last checkpoint: its weights as each rank's slices (safetensors), which the driver
+# consolidates (driver.export); rank r's file begins "shard-{r + 1:05d}-".
+WEIGHTS_DIR = "weights"
 # Reading a checkpoint after a storage error: attempts, and the wait before the next (times the attempt).
 READ_ATTEMPTS, READ_RETRY_S = 3, 1.0
 _WARNED: set[str] = set()  # checkpoints already said to be skipped, by this process
@@ -59,7 +62,10 @@ class TrainState:
     sharded: bool = False
     """The weights and optimizer state are in the checkpoint's ``shards/`` (fsdp:
     ``torch.distributed.checkpoint``, each rank's part written by that rank); ``model`` then holds
-    the full weights in a run's last checkpoint only, and ``optimizer`` nothing."""
+    nothing, and ``optimizer`` nothing."""
+    weights_sliced: bool = False
+    """A run's last fsdp checkpoint: its weights are also in ``weights/``, each rank's slices as
+    safetensors, for the driver to consolidate into the run's outputs (``driver.export``)."""
 
     @property
     def progress(self) -> tuple[int, int]:
@@ -214,12 +220,27 @@ def _shards_lack(directory: storage.Target) -> str | None:
     except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError):
         return f"its {SHARDS_DIR}/{SHARDS_METADATA} does not load (cut short while it was written)"
     missing = [f"{SHARDS_DIR}/{name}" for name in sorted(needed) if name not in present]
+    missing += _slices_lack(directory, sorted(needed))
     if missing:
         return f"its {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing (a rank's shard never arrived)"
     short = [f"{SHARDS_DIR}/{n} ({present[n]} of {needed[n]} bytes)" for n in sorted(needed) if present[n] < needed[n]]
     if short:
         return f"its {', '.join(short)} {'is' if len(short) == 1 else 'are'} truncated"
     return None
+
+
+def _slices_lack(directory: storage.Target, shard_files: list[str]) -> list[str]:
+    """The rank slice files a last checkpoint's ``weights/`` lacks: one per rank that wrote shards
+    (``__{rank}_0.distcp``), when it has ``weights/`` at all."""
+    present = storage.list_dir(storage.join(directory, WEIGHTS_DIR))
+    if not present:
+        return []
+    ranks = [int(match[1]) for match in map(re.compile(r"__(\d+)_\d+\.distcp$").match, shard_files) if match]
+    return [
+        f"{WEIGHTS_DIR}/shard-{rank + 1:05d}-*.safetensors"
+        for rank in ranks
+        if not any(name.startswith(f"shard-{rank + 1:05d}-") for name in present)
+    ]
 
 
 def _read_whole(directory: storage.Target) -> TrainState | None:

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -382,23 +383,53 @@ def safetensors_bytes(state: dict[str, torch.Tensor]) -> bytes:
     return save(state, metadata={"format": "pt"})
 
 
+def file_indices(sizes: dict[str, int], max_bytes: int = MAX_SHARD_BYTES) -> dict[str, int]:
+    """Which file (1 to n) each tensor of ``sizes`` (bytes, in order) goes to: the next one past ``max_bytes``."""
+    indices, index, size = {}, 1, 0
+    for name, nbytes in sizes.items():
+        if size and size + nbytes > max_bytes:
+            index, size = index + 1, 0
+        indices[name] = index
+        size += nbytes
+    return indices
+
+
+def sharded_names(num_files: int) -> list[str]:
+    """The files of a checkpoint in ``num_files`` parts, as transformers names them."""
+    return (
+        [WEIGHTS_FILE]
+        if num_files == 1
+        else [f"model-{i:05d}-of-{num_files:05d}.safetensors" for i in range(1, num_files + 1)]
+    )
+
+
 def safetensors_files(state: dict[str, torch.Tensor], max_bytes: int = MAX_SHARD_BYTES) -> dict[str, bytes]:
     """``state`` as safetensors files by name: ``model.safetensors``, or past ``max_bytes``
     ``model-0000i-of-0000n.safetensors`` and their ``model.safetensors.index.json``."""
-    groups: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    indices = file_indices({name: t.numel() * t.element_size() for name, t in state.items()}, max_bytes)
+    names = sharded_names(max(indices.values(), default=1))
+    groups: list[dict[str, torch.Tensor]] = [{} for _ in names]
     for name, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if groups[-1] and size + nbytes > max_bytes:
-            groups.append({})
-            size = 0
-        groups[-1][name] = tensor
-        size += nbytes
-    if len(groups) == 1:
-        return {WEIGHTS_FILE: safetensors_bytes(groups[0])}
-    names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    files = {name: safetensors_bytes(group) for name, group in zip(names, groups)}
+        groups[indices[name] - 1][name] = tensor
+    files = {file: safetensors_bytes(group) for file, group in zip(names, groups)}
+    if len(names) == 1:
+        return files
     total = sum(t.numel() * t.element_size() for t in state.values())
-    weight_map = {tensor: name for name, group in zip(names, groups) for tensor in group}
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    index = {"metadata": {"total_size": total}, "weight_map": {name: names[i - 1] for name, i in indices.items()}}
     return {**files, INDEX_FILE: json.dumps(index, indent=2).encode()}
+
+
+def mapped_tensors(path: str) -> dict[str, torch.Tensor]:
+    """A local safetensors file's tensors, each mapped from the file (copy on write), not read: pages
+    are read as they are used, and are the page cache's to drop, not this process's memory."""
+    weights = read_weights(os.path.dirname(path) or ".", [os.path.basename(path)], path)
+    tensors = {}
+    for name, info in weights.tensors.items():
+        dtype = DTYPES[info.dtype]
+        count = torch.Size(info.shape).numel()
+        if count == 0:
+            tensors[name] = torch.empty(info.shape, dtype=dtype)
+            continue
+        raw = np.memmap(path, dtype=np.uint8, mode="c", offset=info.offset, shape=(count * dtype.itemsize,))
+        tensors[name] = torch.from_numpy(raw).view(dtype).view(info.shape)
+    return tensors

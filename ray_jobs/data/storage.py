@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Union
 
@@ -202,3 +204,21 @@ def delete_file(target: Target) -> None:
     filesystem, path = resolve(target)
     if filesystem.get_file_info(path).type == pafs.FileType.File:
         filesystem.delete_file(path)
+
+
+@contextlib.contextmanager
+def local_directory(target: Target) -> Iterator[str]:
+    """``target`` as a local directory: itself on local storage, else a temporary copy."""
+    filesystem, path = resolve(target)
+    if isinstance(filesystem, pafs.LocalFileSystem):
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="raypar-copy-") as local:
+        pafs.copy_files(path, local, source_filesystem=filesystem, destination_filesystem=pafs.LocalFileSystem())
+        yield local
+
+
+def upload(path: str, target: Target) -> None:
+    """A local file written to ``target`` (``write``: whole or not at all), streamed, never held."""
+    with open(path, "rb") as source:
+        write(target, lambda stream: shutil.copyfileobj(source, stream, 16 * 2**20))

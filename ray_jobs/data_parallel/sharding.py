@@ -4,8 +4,9 @@ Every rank holds 1/N of each parameter, of its gradient and of the optimizer sta
 weights are all-gathered just before its forward (and again in backward) and freed after, and its
 gradients are reduce-scattered. The model is unchanged: ``fully_shard`` goes on each top-level
 child and on the root. Checkpoints are sharded with ``torch.distributed.checkpoint`` (each rank
-writes its own part; a resume at any worker count reshards them); ``model.pt`` and
-``best_model.pt`` are gathered on world rank 0 only, on the CPU.
+writes its own part; a resume at any worker count reshards them). The run's final weights are
+written the same way, each rank its slices as safetensors, and consolidated by the driver
+(``driver.export``); ``best_model.pt`` is gathered on world rank 0 only, on the CPU.
 
 Runs in the worker; imports nothing that runs only on the driver.
 """
@@ -16,14 +17,13 @@ import contextlib
 import math
 import os
 import socket
-import tempfile
 from collections.abc import Callable
 
-import pyarrow.fs as pafs
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -37,7 +37,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from ray_jobs.core.checkpoint import SHARDS_DIR, TrainState
+from ray_jobs.core.checkpoint import SHARDS_DIR, WEIGHTS_DIR, TrainState
 from ray_jobs.core.evaluation import chunk_sums, my_chunks, num_chunks
 from ray_jobs.core.model_init import SafetensorsInit, on_meta
 from ray_jobs.core.pretrained import DTYPES
@@ -47,6 +47,19 @@ from ray_jobs.data_parallel.wrap import Replicas
 FULL = StateDictOptions(full_state_dict=True)
 # Gathered on world rank 0 only, and onto its CPU: no rank ever holds the whole model on its device.
 FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _once(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with a tied tensor under its first name only: its two names are two DTensors over
+    one local shard, which safetensors refuses to write twice."""
+    seen, once = set(), {}
+    for name, tensor in state.items():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        where = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape))
+        if where not in seen or local.numel() == 0:
+            seen.add(where)
+            once[name] = tensor
+    return once
 
 
 def shard_units(model: nn.Module) -> list[str]:
@@ -180,7 +193,7 @@ class Shards(Replicas):
         with torch.no_grad():
             for name, buffer in model.named_buffers():
                 buffer.copy_(buffers[name])
-        with _local(initial.weights.directory) as path:
+        with storage.local_directory(initial.weights.directory) as path:
             read_slices(get_model_state_dict(model), initial, path)
         return wrapped
 
@@ -204,19 +217,28 @@ class Shards(Replicas):
         return get_model_state_dict(model, options=FULL_ON_RANK0)
 
     def checkpoint_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, final: bool) -> tuple[dict, dict]:
-        """``checkpoint.pt`` holds no tensors (they are in the shards), except the run's last:
-        its full weights, which ``model.pt`` is written from."""
-        return (self.weights(model) if final else {}), {}
+        """``checkpoint.pt`` holds no tensors: they are in the shards (``write_shards``)."""
+        return {}, {}
 
-    def write_shards(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    def write_shards(
+        self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer, final: bool = False
+    ) -> bool:
         """Every rank writes its own shards of the weights and the optimizer state (keyed by
-        parameter name) into ``directory/shards``; world rank 0 also the ``.metadata``. Ray Train
-        uploads every rank's directory into the one checkpoint directory."""
+        parameter name) into ``directory/shards``; world rank 0 also the ``.metadata``. The run's
+        last checkpoint also gets ``weights/``: each rank's slices of the weights (a tied tensor
+        once) as safetensors, which the driver consolidates into ``model.safetensors``, ``hf/``
+        and ``model.pt`` without any process gathering the whole model. Ray Train uploads every
+        rank's directory into the one checkpoint directory."""
         model_state, optimizer_state = get_state_dict(model, optimizer)
         dcp.save(
             {"model": model_state, "optimizer": optimizer_state},
             storage_writer=dcp.FileSystemWriter(os.path.join(directory, SHARDS_DIR)),
         )
+        if final:
+            dcp.save(
+                _once(model_state),
+                storage_writer=HuggingFaceStorageWriter(os.path.join(directory, WEIGHTS_DIR), save_distributed=True),
+            )
         return True
 
     def restore(self, directory, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> None:
@@ -228,7 +250,7 @@ class Shards(Replicas):
             return
         model_state, optimizer_state = get_state_dict(model, optimizer)
         loaded = {"model": model_state, "optimizer": optimizer_state}
-        with _local(storage.join(directory, SHARDS_DIR)) as path:
+        with storage.local_directory(storage.join(directory, SHARDS_DIR)) as path:
             dcp.load(loaded, storage_reader=dcp.FileSystemReader(path))
         set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
 
@@ -240,15 +262,3 @@ class Shards(Replicas):
         for _ in range(math.ceil(num_chunks(val) / world_size) - len(mine)):
             chunk_sums(model, val, [0], device)
         return sums
-
-
-@contextlib.contextmanager
-def _local(target: storage.Target):
-    """``target`` as a local directory: itself on local storage, else a temporary copy."""
-    filesystem, path = storage.resolve(target)
-    if isinstance(filesystem, pafs.LocalFileSystem):
-        yield path
-        return
-    with tempfile.TemporaryDirectory(prefix="raypar-shards-") as local:
-        pafs.copy_files(path, local, source_filesystem=filesystem, destination_filesystem=pafs.LocalFileSystem())
-        yield local

@@ -295,7 +295,7 @@ class _Worker:
         # No copy: the checkpoint is written before the next step changes these tensors.
         weights, optimizer = self.loop.wrap.checkpoint_state(self.model, self.optimizer, final)
         with tempfile.TemporaryDirectory(prefix="raypar-ckpt-") as directory:
-            sharded = self.loop.wrap.write_shards(directory, self.model, self.optimizer)
+            sharded = self.loop.wrap.write_shards(directory, self.model, self.optimizer, final)
             if self.world_rank == 0:
                 state = TrainState(
                     weights,
@@ -310,6 +310,7 @@ class _Worker:
                     val_losses=list(self.val_losses),
                     val_accuracy=list(self.val_accuracy),
                     sharded=sharded,
+                    weights_sliced=sharded and final,
                 )
                 write_checkpoint(directory, state)
             attached = directory if self.world_rank == 0 or sharded else None

@@ -53,8 +53,11 @@ class Replicas:
             return {}, {}
         return self.weights(model), named_optimizer_state(optimizer, dict(model.named_parameters()))
 
-    def write_shards(self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> bool:
-        """Write this rank's part of the state into ``directory``; whether there was one."""
+    def write_shards(
+        self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer, final: bool = False
+    ) -> bool:
+        """Write this rank's part of the state into ``directory``; whether there was one.
+        ``final``: the run's last checkpoint."""
         return False
 
     def restore(self, directory, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> None:

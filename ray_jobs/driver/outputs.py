@@ -29,6 +29,7 @@ from ray_jobs.core.pretrained import (
 from ray_jobs.data import storage
 from ray_jobs.data.parquet import TOKENIZER_FILE, Dataset
 from ray_jobs.data.stream import StreamDataset
+from ray_jobs.driver.export import write_sliced_weights
 from ray_jobs.driver.prepare import PreparedRun
 from ray_jobs.driver.summary import TrainSummary
 from ray_jobs.observability.throughput import flops_per_token, lm_throughput, peak_tflops
@@ -59,6 +60,7 @@ def finish(
     """Write ``model.pt`` and ``summary.json`` into the run directory and return the summary."""
     cfg, dataset = prepared.cfg, prepared.dataset
     model = probe_model(cfg, dataset, prepared.model_factory)  # once: a user's from_pretrained builds for real
+    exported = write_weights(prepared, final, model)
     summary = TrainSummary(
         strategy=prepared.strategy,
         world_size=world_size,
@@ -81,14 +83,26 @@ def finish(
         block_size=dataset.block_size,
         **language_model_throughput(prepared, model, metrics, world_size),
         **validation_summary(prepared, final),
-        extra=extra or {},
+        extra={**(extra or {}), **exported},
     )
-    storage.write(storage.join(prepared.run_dir, "model.pt"), lambda stream: torch.save(final.model, stream))
-    write_safetensors(prepared, final.model, model)
     if dataset.tokenizer is not None:  # what generate decodes with, beside the model it trained
         storage.write_bytes(storage.join(prepared.run_dir, TOKENIZER_FILE), dataset.tokenizer.encode())
     storage.write_bytes(storage.join(prepared.run_dir, "summary.json"), summary.to_json().encode())
     return summary
+
+
+def write_weights(prepared: PreparedRun, final: TrainState, model: nn.Module) -> dict[str, Any]:
+    """``model.pt``, ``model.safetensors`` and a ``hf:`` run's ``hf/``: from ``final``'s weights, or
+    consolidated from the slices fsdp's ranks wrote (``driver.export``), whose size and peak
+    memory it returns for the summary."""
+    if not final.weights_sliced:
+        storage.write(storage.join(prepared.run_dir, "model.pt"), lambda stream: torch.save(final.model, stream))
+        write_safetensors(prepared, final.model, model)
+        return {}
+    cfg, factory = prepared.cfg, prepared.model_factory
+    hf_files = (lambda dtype: hf_metadata(cfg, factory, dtype)) if is_pretrained(cfg.model) else None
+    export = write_sliced_weights(prepared.run_dir, final, model, hf_files)
+    return {"export_bytes": export.num_bytes, "export_peak_growth_bytes": export.peak_growth_bytes}
 
 
 def write_safetensors(prepared: PreparedRun, state: dict[str, torch.Tensor], model: nn.Module) -> None:

@@ -80,12 +80,15 @@ def test_fsdp_matches_single_process_reference(
     record = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert (record["strategy"], record["world_size"]) == ("fsdp", num_workers)
     assert record["config"]["scaling"]["reshard_after_forward"] is True
-    # each rank wrote its own shards; checkpoint.pt holds no tensors but in the last checkpoint
+    # each rank wrote its own shards; checkpoint.pt holds no tensors; the last checkpoint also has
+    # each rank's slices of the weights, which model.pt was consolidated from
     first, last = (str(tmp_path / "run" / f"checkpoint_epoch_00000{epoch}") for epoch in (2, 3))
     shards = sorted(os.listdir(f"{last}/shards"))
     assert shards == sorted([".metadata", *(f"__{rank}_0.distcp" for rank in range(num_workers))])
     assert read_checkpoint(first).sharded and read_checkpoint(first).model == {}
-    assert read_checkpoint(last).model.keys() == load_weights(summary.run_dir).keys()
+    assert not read_checkpoint(first).weights_sliced and read_checkpoint(last).weights_sliced
+    slices = [f"shard-{rank + 1:05d}-model-00001-of-00001.safetensors" for rank in range(num_workers)]
+    assert sorted(os.listdir(f"{last}/weights")) == slices and read_checkpoint(last).model == {}
 
 
 def test_fsdp_resumes_on_fewer_workers_from_the_newest_checkpoint_with_every_shard(

@@ -8,6 +8,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,6 +224,14 @@ def write_sharded(run_dir, epochs: int, num_ranks: int = 2) -> str:
     return str(shards)
 
 
+def _slices(shards: str, ranks: list[int]) -> None:
+    """A last checkpoint's ``weights/`` with only ``ranks``' slice files."""
+    weights = Path(shards).parent / "weights"
+    weights.mkdir()
+    for rank in ranks:
+        (weights / f"shard-{rank + 1:05d}-model-00001-of-00001.safetensors").write_bytes(b"")
+
+
 @pytest.mark.parametrize(
     ("damage", "why"),
     [
@@ -230,8 +239,9 @@ def write_sharded(run_dir, epochs: int, num_ranks: int = 2) -> str:
         (lambda shards: os.truncate(f"{shards}/__1_0.distcp", 100), "its shards/__1_0.distcp (100 of"),
         (lambda shards: os.remove(f"{shards}/.metadata"), "its shards/.metadata is missing"),
         (lambda shards: os.truncate(f"{shards}/.metadata", 50), "its shards/.metadata does not load"),
+        (lambda shards: _slices(shards, [0]), "its weights/shard-00002-*.safetensors is missing"),
     ],
-    ids=["shard-missing", "shard-truncated", "metadata-missing", "metadata-truncated"],
+    ids=["shard-missing", "shard-truncated", "metadata-missing", "metadata-truncated", "slice-missing"],
 )
 def test_an_fsdp_checkpoint_lacking_a_rank_shard_is_skipped_before_any_load(tmp_path, capsys, damage, why):
     """checkpoint.pt is whole, but a rank's shard never arrived (or arrived cut short): resume falls

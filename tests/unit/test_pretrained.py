@@ -164,13 +164,14 @@ def test_init_from_takes_a_runs_safetensors(gpt2, data, tmp_path):
 
 def test_a_checkpoint_in_a_bucket_loads_whole_and_by_its_headers(gpt2, data, tmp_path, s3_endpoint):
     """hf:s3://...: ddp's driver reads the weights through storage, fsdp's the headers only (ranged
-    reads); the workers' slices are read from a local copy (``sharding._local``), here whole."""
+    reads); the workers' slices are read from a local copy (``storage.local_directory``), here whole."""
     import uuid
 
     import pyarrow.fs as pafs
 
     from ray_jobs.data import storage
-    from ray_jobs.data_parallel.sharding import _local, read_slices
+    from ray_jobs.data.storage import local_directory
+    from ray_jobs.data_parallel.sharding import read_slices
 
     bucket = f"raypar-{uuid.uuid4().hex[:8]}"
     pafs.S3FileSystem(endpoint_override=s3_endpoint, scheme="http", allow_bucket_creation=True).create_dir(bucket)
@@ -182,7 +183,7 @@ def test_a_checkpoint_in_a_bucket_loads_whole_and_by_its_headers(gpt2, data, tmp
     assert all(torch.equal(whole[name], tensor) for name, tensor in expected.items())
     slices = prepare(config(data, tmp_path / "b", f"hf:{uri}"), "fsdp").initial_state
     filled = {name: torch.empty_like(tensor) for name, tensor in expected.items() if name != "lm_head.weight"}
-    with _local(slices.weights.directory) as local:
+    with local_directory(slices.weights.directory) as local:
         read_slices(filled, slices, local)
     assert all(torch.equal(filled[name], expected[name]) for name in filled)
 

@@ -3,7 +3,9 @@ small's size by default; nothing downloaded) fine-tuned with ``--model hf:DIR`` 
 on 2 workers, and each worker's memory at start: its peak RSS from before the model is built to
 the start of training, over the RSS it had just before (``worker_startup_rss_bytes``), against
 the checkpoint's bytes. A ddp worker builds the whole model and loads every weight; an fsdp worker
-builds on meta, shards, and reads only its own rows of the safetensors file.
+builds on meta, shards, and reads only its own rows of the safetensors file. At the end, fsdp's
+ranks write their slices of the weights and the driver consolidates them
+(``export_peak_growth_bytes``: how far its memory rose doing so).
 """
 
 from __future__ import annotations
@@ -33,13 +35,18 @@ def pretrained_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
     data = write_byte_rows(shape, os.path.join(bench.out, "data", "pretrained.parquet"))
     checkpoint_bytes = sum(f.stat().st_size for f in Path(checkpoint).glob("*.safetensors"))
     startup: dict[str, list[int]] = {}
+    export: dict[str, Any] = {}
     for strategy in STRATEGIES:
         bench.log(
             f"[bench] pretrained: {strategy} {NUM_WORKERS} workers from a "
             f"{checkpoint_bytes / 2**20:,.0f} MiB checkpoint"
         )
-        startup[strategy] = _fit(bench, strategy, checkpoint, data, shape)
+        extra = _fit(bench, strategy, checkpoint, data, shape).extra
+        startup[strategy] = extra["worker_startup_rss_bytes"]
+        if strategy == "fsdp":
+            export = {key: extra.get(key) for key in ("export_bytes", "export_peak_growth_bytes")}
     return {
+        "export": export,
         "shape": vars(shape),
         "num_workers": NUM_WORKERS,
         "checkpoint_bytes": checkpoint_bytes,
@@ -73,9 +80,9 @@ def write_byte_rows(shape: GPTShape, path: str) -> str:
     return path
 
 
-def _fit(bench: Bench, strategy: str, checkpoint: str, data: str, shape: GPTShape) -> list[int]:
+def _fit(bench: Bench, strategy: str, checkpoint: str, data: str, shape: GPTShape):
     cfg = TrainConfig(
         model=f"hf:{checkpoint}", data=data, task="lm", epochs=1, batch_size=shape.batch_size, lr=1e-4,
         storage_path=bench.storage_path, name=bench.run_name(f"pretrained-{strategy}"),
     )  # fmt: skip
-    return bench.fit_workers(cfg, strategy, NUM_WORKERS).extra["worker_startup_rss_bytes"]
+    return bench.fit_workers(cfg, strategy, NUM_WORKERS)
