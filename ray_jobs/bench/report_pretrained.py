@@ -33,13 +33,14 @@ def pretrained_section(pretrained: dict[str, Any] | None) -> list[str]:
 
 
 def _export_line(export: dict[str, Any]) -> list[str]:
-    """fsdp's way out: each rank wrote its slices; how far the driver's memory rose consolidating them."""
-    if export.get("export_peak_growth_bytes") is None:
+    """fsdp's way out: each rank wrote its slices; the most the driver held at once consolidating them."""
+    if export.get("export_peak_bytes") is None:
         return []
-    size, growth = export["export_bytes"], export["export_peak_growth_bytes"]
+    size, peak = export["export_bytes"], export["export_peak_bytes"]
     return [
         "",
         f"At the end, each fsdp rank wrote its own slices of the weights; the driver consolidated the "
-        f"{size / MIB:,.0f} MiB into `model.safetensors` and `hf/` with its memory rising {growth / MIB:,.0f} MiB "
-        f"at peak ({growth / size:.2f}× the weights): one tensor at a time.",
+        f"{size / MIB:,.0f} MiB into `model.safetensors` holding at most {peak / MIB:,.0f} MiB at once "
+        f"({peak / size:.2f}× the weights; `tracemalloc`): one tensor at a time, so its peak is the largest "
+        "tensor's buffer and the slices copied into it, whatever the model's size.",
     ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,7 +31,6 @@ from ray_jobs.core.pretrained import (
     tied_names,
 )
 from ray_jobs.data import storage
-from ray_jobs.observability.process_stats import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,9 @@ class Export:
 
     num_bytes: int
     """The consolidated weights' size (a tied tensor once)."""
-    peak_growth_bytes: int | None
-    """How far the driver's resident memory rose above its level before, while consolidating
-    (``model.pt``'s mapped pages excluded); None where the peak cannot be reset (not Linux)."""
+    peak_bytes: int
+    """The most memory the consolidation held at once (``tracemalloc``: its buffers are Python's;
+    an RSS reading in a long-lived driver hides them in pages freed before and reused)."""
     dtype: str
     """The weights' dtype, as ``config.json`` names it."""
 
@@ -58,17 +58,19 @@ def write_sliced_weights(
     source = storage.join(run_dir, checkpoint_name(final.epochs_completed, final.step), WEIGHTS_DIR)
     with storage.local_directory(source) as slices, tempfile.TemporaryDirectory(prefix="raypar-export-") as out:
         sizes, dtype = check_slices(slices, shapes)
-        measured = reset_peak_rss()
-        before = rss_bytes() or 0
-        single = consolidate(slices, os.path.join(out, "whole"), {name: 1 for name in shapes})[0]
-        growth = peak_rss_bytes() - before if measured else None
+        tracemalloc.start()
+        try:
+            single = consolidate(slices, os.path.join(out, "whole"), {name: 1 for name in shapes})[0]
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
         storage.upload(single, storage.join(run_dir, WEIGHTS_FILE))
         if hf_files is not None:
             write_hf(run_dir, slices, out, single, sizes, hf_files(dtype))
         mapped = mapped_tensors(single)
         weights = {name: mapped[aliases.get(name, name)] for name in model.state_dict()}
         storage.write(storage.join(run_dir, "model.pt"), lambda stream: torch.save(weights, stream))
-    return Export(sum(sizes.values()), growth, dtype)
+    return Export(sum(sizes.values()), peak, dtype)
 
 
 def check_slices(directory: str, shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, int], str]:

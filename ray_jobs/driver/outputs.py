@@ -102,7 +102,7 @@ def write_weights(prepared: PreparedRun, final: TrainState, model: nn.Module) ->
     cfg, factory = prepared.cfg, prepared.model_factory
     hf_files = (lambda dtype: hf_metadata(cfg, factory, dtype)) if is_pretrained(cfg.model) else None
     export = write_sliced_weights(prepared.run_dir, final, model, hf_files)
-    return {"export_bytes": export.num_bytes, "export_peak_growth_bytes": export.peak_growth_bytes}
+    return {"export_bytes": export.num_bytes, "export_peak_bytes": export.peak_bytes}
 
 
 def write_safetensors(prepared: PreparedRun, state: dict[str, torch.Tensor], model: nn.Module) -> None:

@@ -5,7 +5,7 @@ the start of training, over the RSS it had just before (``worker_startup_rss_byt
 the checkpoint's bytes. A ddp worker builds the whole model and loads every weight; an fsdp worker
 builds on meta, shards, and reads only its own rows of the safetensors file. At the end, fsdp's
 ranks write their slices of the weights and the driver consolidates them
-(``export_peak_growth_bytes``: how far its memory rose doing so).
+(``export_peak_bytes``: the most it held at once doing so).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def pretrained_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
         extra = _fit(bench, strategy, checkpoint, data, shape).extra
         startup[strategy] = extra["worker_startup_rss_bytes"]
         if strategy == "fsdp":
-            export = {key: extra.get(key) for key in ("export_bytes", "export_peak_growth_bytes")}
+            export = {key: extra.get(key) for key in ("export_bytes", "export_peak_bytes")}
     return {
         "export": export,
         "shape": vars(shape),
