@@ -155,14 +155,17 @@ def mixed_precision(precision: str) -> MixedPrecisionPolicy:
 class Shards(Replicas):
     """How FSDP holds the model; the worker loop calls it as it calls ``Replicas``."""
 
-    def __init__(self, reshard_after_forward: bool = True, sync_batchnorm: bool = False) -> None:
+    def __init__(
+        self, reshard_after_forward: bool = True, sync_batchnorm: bool = False, shard_group_size: int | None = None
+    ) -> None:
         super().__init__(lambda model, device, precision: model)
         self.reshard_after_forward, self.sync_batchnorm = reshard_after_forward, sync_batchnorm
+        self.shard_group_size = shard_group_size
 
     def wrap(self, model: nn.Module, device: torch.device, precision: str) -> nn.Module:
-        """``fully_shard`` each ``shard_units`` child, then the root, over one mesh of every rank.
-        The returned module is ``model`` itself, its parameters now DTensor shards: build the
-        optimizer after this."""
+        """``fully_shard`` each ``shard_units`` child, then the root, over one mesh of every rank
+        (``mesh``). The returned module is ``model`` itself, its parameters now DTensor shards:
+        build the optimizer after this."""
         if device.type == "cuda":
             # Each rank's collectives on its own GPU: an FSDP2 run that left the current device
             # at cuda:0 hung in a barrier under TorchTrainer (ray-project/ray#57860).
@@ -171,15 +174,27 @@ class Shards(Replicas):
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         if not on_meta(model):  # built on meta, it is materialised once sharded (``wrap_from_slices``)
             model.to(device)
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         options = {
-            "mesh": mesh,
+            "mesh": self.mesh(device),
             "reshard_after_forward": self.reshard_after_forward,
             "mp_policy": mixed_precision(precision),
         }
         for name in shard_units(model):
             fully_shard(model.get_submodule(name), **options)
         return fully_shard(model, **options)
+
+    def mesh(self, device: torch.device):
+        """Every rank in one dimension (FSDP); with ``shard_group_size`` K below the world size N, a
+        2-D mesh ``(replicate, shard)`` of N/K groups of K consecutive ranks (HSDP): ``fully_shard``
+        shards over a group and replicates across groups. A checkpoint's DTensors reshard onto any
+        other layout (DCP), so a resume may change N or K."""
+        size = dist.get_world_size()
+        group = self.shard_group_size or size
+        if size % group:  # an elastic attempt the driver's check did not foresee
+            raise ValueError(f"--shard-group-size {group} does not divide this attempt's {size} workers")
+        if group == size:
+            return init_device_mesh(device.type, (size,))
+        return init_device_mesh(device.type, (size // group, group), mesh_dim_names=("replicate", "shard"))
 
     def wrap_from_slices(
         self, model: nn.Module, initial: SafetensorsInit, device: torch.device, precision: str

@@ -127,6 +127,36 @@ def test_fsdp_resumes_on_fewer_workers_from_the_newest_checkpoint_with_every_sha
     assert_trains_the_reference(resumed, with_(cfg, epochs=3))
 
 
+def test_hsdp_shards_within_groups_and_resumes_as_plain_fsdp(ray_cluster, tmp_path, regression_data):
+    """4 workers in 2 groups of 2 (HSDP, ``--shard-group-size 2``: a 2-D mesh (replicate, shard))
+    train 2 epochs to the reference's weights, each worker holding half the model state; the name
+    re-run for a third epoch on 2 workers in one group (FSDP) reads the 2-D shards resharded, AdamW's
+    moments included, and ends on the reference too."""
+    cfg = TrainConfig(
+        model="mlp",
+        hidden=8,
+        depth=3,
+        data=regression_data,
+        epochs=2,
+        seed=6,
+        batch_size=16,
+        optimizer="adamw",
+        lr=0.01,
+        storage_path=str(tmp_path),
+        name="run",
+    )
+    hsdp = run_strategy("fsdp", cfg, scaling=ShardedScaling(num_workers=4, shard_group_size=2))
+    assert_trains_the_reference(hsdp, cfg)
+    state = hsdp.extra["worker_model_state_bytes"]
+    whole = sum(p.numel() * 4 for p in load_weights(hsdp.run_dir).values())
+    # Half of each tensor (a tensor of one row is padded to a row on each rank of its group).
+    assert len(state) == 4 and all(0.4 <= part["parameters"] / whole <= 0.6 for part in state), (state, whole)
+    longer = with_(cfg, epochs=3)
+    resumed = run_strategy("fsdp", longer, scaling=ShardedScaling(num_workers=2))
+    assert resumed.resumed_from_epoch == 2
+    assert_trains_the_reference(resumed, longer)
+
+
 def test_ddp_and_fsdp_weights_seed_each_other_through_init_from(ray_cluster, tmp_path, regression_data):
     """A ddp run's model.pt seeds an fsdp run (--init-from), whose model.pt seeds a ddp run: each
     ends on the single-process reference started from the weights it was given."""

@@ -75,6 +75,23 @@ def test_fsdp_refuses_fp16_and_a_sharded_checkpoint_as_initial_weights_in_one_li
     assert "keeps its weights in shards beside it; start from the run's model.pt" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--num-workers", "4", "--shard-group-size", "3"], "error: --shard-group-size 3 does not divide 4 worker(s)"),
+        (
+            ["--num-workers", "4", "--min-workers", "2", "--max-failures", "1", "--shard-group-size", "2"],
+            "error: --shard-group-size 2 does not divide 3 worker(s): give a group size that divides --num-workers "
+            "(and, for an elastic run, every count from --min-workers up)",
+        ),
+        (["--shard-group-size", "0"], "error: --shard-group-size must be at least 1, got 0"),
+    ],
+)
+def test_fsdp_refuses_a_shard_group_size_that_does_not_divide_the_workers(argv, message, capsys):
+    assert fsdp.main(argv) == 2
+    assert capsys.readouterr().err.startswith(message)
+
+
 def test_fsdp_help_lists_its_flags_with_their_defaults(capsys):
     with pytest.raises(SystemExit):
         fsdp.main(["--help"])
