@@ -16,9 +16,15 @@ import torch
 from ray_jobs.core.checkpoint import checkpoint_name, read_checkpoint
 from ray_jobs.core.config import TrainConfig
 from ray_jobs.data_parallel.fsdp import ShardedScaling
-from tests.helpers import assert_trains_the_reference, load_weights, reference_for, run_strategy, with_
+from tests.helpers import assert_trains_the_reference, load_weights, reference_for, run_config, run_strategy, with_
 
 pytestmark = pytest.mark.ray
+
+
+def mlp_config(data: str, tmp_path, **settings) -> TrainConfig:
+    """A small MLP's run of ``data`` into ``<tmp_path>/run``, 16 rows a batch; ``settings`` add to it."""
+    return run_config(data, tmp_path, **{"model": "mlp", "hidden": 8, "depth": 3, "batch_size": 16, **settings})
+
 
 # Two Linears share one weight (found by identity: the names differ), nested one level down.
 TIED_MODEL = """
@@ -98,20 +104,7 @@ def test_fsdp_resumes_on_fewer_workers_from_the_newest_checkpoint_with_every_sha
     arrived), though its checkpoint.pt is whole. The name re-run for 3 epochs on 1 worker passes
     it over with one warning, reads epoch 1's 2 shards resharded onto 1, AdamW's moments
     included, and ends on the reference's weights."""
-    cfg = TrainConfig(
-        model="mlp",
-        hidden=8,
-        depth=3,
-        data=regression_data,
-        epochs=2,
-        seed=3,
-        batch_size=16,
-        optimizer="adamw",
-        lr=0.01,
-        num_checkpoints_to_keep=2,
-        storage_path=str(tmp_path),
-        name="run",
-    )
+    cfg = mlp_config(regression_data, tmp_path, epochs=2, seed=3, optimizer="adamw", lr=0.01, num_checkpoints_to_keep=2)
     run_strategy("fsdp", cfg, 2, scaling=ShardedScaling(num_workers=2, reshard_after_forward=False))
     damaged = tmp_path / "run" / checkpoint_name(2)
     (damaged / "shards" / "__1_0.distcp").unlink()
@@ -132,19 +125,7 @@ def test_hsdp_shards_within_groups_and_resumes_as_plain_fsdp(ray_cluster, tmp_pa
     train 2 epochs to the reference's weights, each worker holding half the model state; the name
     re-run for a third epoch on 2 workers in one group (FSDP) reads the 2-D shards resharded, AdamW's
     moments included, and ends on the reference too."""
-    cfg = TrainConfig(
-        model="mlp",
-        hidden=8,
-        depth=3,
-        data=regression_data,
-        epochs=2,
-        seed=6,
-        batch_size=16,
-        optimizer="adamw",
-        lr=0.01,
-        storage_path=str(tmp_path),
-        name="run",
-    )
+    cfg = mlp_config(regression_data, tmp_path, epochs=2, seed=6, optimizer="adamw", lr=0.01)
     hsdp = run_strategy("fsdp", cfg, scaling=ShardedScaling(num_workers=4, shard_group_size=2))
     assert_trains_the_reference(hsdp, cfg)
     state = hsdp.extra["worker_model_state_bytes"]
@@ -160,17 +141,7 @@ def test_hsdp_shards_within_groups_and_resumes_as_plain_fsdp(ray_cluster, tmp_pa
 def test_ddp_and_fsdp_weights_seed_each_other_through_init_from(ray_cluster, tmp_path, regression_data):
     """A ddp run's model.pt seeds an fsdp run (--init-from), whose model.pt seeds a ddp run: each
     ends on the single-process reference started from the weights it was given."""
-    cfg = TrainConfig(
-        model="mlp",
-        hidden=8,
-        depth=3,
-        data=regression_data,
-        epochs=1,
-        seed=8,
-        batch_size=16,
-        momentum=0.9,
-        storage_path=str(tmp_path),
-    )
+    cfg = mlp_config(regression_data, tmp_path, epochs=1, seed=8, momentum=0.9, name=None)
     ddp_run = run_strategy("ddp", with_(cfg, name="ddp"), 2)
     seeded = with_(cfg, name="fsdp", init_from=f"{ddp_run.run_dir}/model.pt")
     fsdp_run = run_strategy("fsdp", seeded, 2)
@@ -180,18 +151,7 @@ def test_ddp_and_fsdp_weights_seed_each_other_through_init_from(ray_cluster, tmp
 
 
 def test_fsdp_bf16_matches_the_bf16_reference(ray_cluster, tmp_path, regression_data):
-    cfg = TrainConfig(
-        model="mlp",
-        hidden=8,
-        depth=3,
-        data=regression_data,
-        epochs=2,
-        seed=1,
-        batch_size=16,
-        precision="bf16",
-        storage_path=str(tmp_path),
-        name="run",
-    )
+    cfg = mlp_config(regression_data, tmp_path, epochs=2, seed=1, precision="bf16")
     got, (expected, _) = load_weights(run_strategy("fsdp", cfg, 2).run_dir), reference_for(cfg)
     for key in expected:
         # bf16 has no bit-level contract: each worker's gradient of its half batch is rounded to
@@ -205,19 +165,7 @@ def test_activation_checkpointing_trains_the_reference_weights(ray_cluster, tmp_
     keeps its activations), to the tolerance of the strategy without checkpointing."""
     from ray_jobs.pipeline.scaling import PipelineScaling
 
-    cfg = TrainConfig(
-        model="mlp",
-        hidden=8,
-        depth=3,
-        data=regression_data,
-        epochs=2,
-        seed=2,
-        batch_size=16,
-        momentum=0.9,
-        activation_checkpointing=True,
-        storage_path=str(tmp_path),
-        name="run",
-    )
+    cfg = mlp_config(regression_data, tmp_path, epochs=2, seed=2, momentum=0.9, activation_checkpointing=True)
     options = {"scaling": PipelineScaling(num_stages=2)} if strategy == "pipeline" else {"num_workers": 2}
     assert_trains_the_reference(run_strategy(strategy, cfg, **options), cfg)
 
