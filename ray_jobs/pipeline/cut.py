@@ -58,20 +58,25 @@ def stage_units(stage: torch.nn.Module) -> list[list[str]]:
     return unit_names(stage)
 
 
-def shared_parameters(stages: list[torch.nn.Module]) -> list[dict[str, list[int]]]:
-    """For each stage, its parameters that other stages hold too (a tied embedding and head cut
-    apart), by name, with every stage holding each, in order: their gradients are summed over
-    those stages before a step, as one tensor's would be."""
-    holders: dict[int, list[tuple[int, str]]] = {}
+@dataclass(frozen=True)
+class SharedWeight:
+    """One weight several stages hold (a tied embedding and head cut apart): its gradients are
+    summed over them before a step, as one tensor's would be."""
+
+    names: dict[int, str]
+    """Each holding stage's name for it, by stage index, in stage order."""
+
+
+def shared_weights(stages: list[torch.nn.Module]) -> list[SharedWeight]:
+    """Every weight several stages hold, found by identity, in one order every stage computes
+    alike (by its first holder and that holder's name): a weight's place in it is the tag its
+    holders exchange gradients under, so they must agree on it, whatever each calls it."""
+    held: dict[int, dict[int, str]] = {}
     for index, stage in enumerate(stages):
         for name, param in stage.named_parameters():
-            holders.setdefault(id(param), []).append((index, name))
-    shared: list[dict[str, list[int]]] = [{} for _ in stages]
-    for held in holders.values():
-        if len(held) > 1:
-            for index, name in held:
-                shared[index][name] = [holder for holder, _ in held]
-    return shared
+            held.setdefault(id(param), {})[index] = name
+    shared = [SharedWeight(names) for names in held.values() if len(names) > 1]
+    return sorted(shared, key=lambda weight: next(iter(weight.names.items())))
 
 
 def stage_keys(
@@ -94,7 +99,7 @@ class StageCut:
     unit_costs: list[float] | None
     """What the cut balances, one per unit (``models.unit_names``); None: parameter counts."""
     shared: list[str]
-    """The names of the weights several stages hold (``shared_parameters``), each stage's name."""
+    """The names of the weights several stages hold (``shared_weights``), each stage's name."""
 
 
 def cut_stages(
@@ -111,7 +116,7 @@ def cut_stages(
 
 
 def shared_names(stages: list[torch.nn.Module]) -> list[str]:
-    return sorted({name for held in shared_parameters(stages) for name in held})
+    return sorted(name for weight in shared_weights(stages) for name in weight.names.values())
 
 
 def measured_unit_costs(

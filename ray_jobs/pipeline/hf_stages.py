@@ -6,7 +6,7 @@ checkpoint's own (``transformer.h.3.attn.c_attn.weight``) and the stages' keys t
 model's. A stage runs its pieces as the model's own ``forward`` runs them: the same calls, in the
 same order, with the same mask and positions, so the stages in a row compute the model's logits
 bit for bit. A tied embedding and head cut apart are one weight held by two stages
-(``cut.shared_parameters``).
+(``cut.shared_weights``).
 
 Families whose ``forward`` is written here: GPT-2 and Llama. Another architecture's forward (its
 masks, its positions, its extra inputs) would have to be written out the same way, so it is refused.

@@ -37,7 +37,7 @@ from ray_jobs.data.device_copy import to_device
 from ray_jobs.data.stream import open_source
 from ray_jobs.errors import PeerLost, described
 from ray_jobs.observability.process_stats import peak_rss_bytes
-from ray_jobs.pipeline.cut import boundary_shapes, meta_stages, shared_parameters
+from ray_jobs.pipeline.cut import boundary_shapes, meta_stages, shared_weights
 from ray_jobs.pipeline.schedules import FORWARD, SCHEDULES, peak_live_activations
 from ray_jobs.testing import faults
 
@@ -88,8 +88,10 @@ class StageWorker:
         # What crosses each cut, per row: a receiver must know the shape before the bytes arrive.
         self.boundary_shapes = boundary_shapes(stages, dataset)
         # A weight two stages hold (a tied embedding and head cut apart): its gradient is summed
-        # over them before each step.
-        self.shared = shared_parameters(stages)[stage_index]
+        # over them before each step, under the tag its place in the one list gives.
+        self.shared = [(tag, w) for tag, w in enumerate(shared_weights(stages)) if stage_index in w.names]
+        # ... and the global norm counts it once, on its first holder.
+        self.counted_elsewhere = {w.names[stage_index] for _, w in self.shared if min(w.names) != stage_index}
         # Only this stage's layers ever get memory: the whole model exists on the meta device.
         own = meta_stages(cfg, dataset, num_stages, model_factory, unit_costs, real_buffers=True)[stage_index]
         self.module = materialize(own, self.device)
@@ -195,11 +197,11 @@ class StageWorker:
         """Each weight this stage shares with others: its gradient becomes the sum of every holder's,
         added in stage order on each, so the holders step alike, as the one tensor they stand for
         would (p2p's process group carries them)."""
-        for index, (name, holders) in enumerate(sorted(self.shared.items())):
-            param = self.module.get_parameter(name)
+        for tag, weight in self.shared:
+            param = self.module.get_parameter(weight.names[self.stage_index])
             mine = torch.zeros_like(param, device="cpu") if param.grad is None else param.grad.to("cpu")
-            tag = 2 * self.num_microbatches + index  # after every micro-batch's forward and backward tags
-            peers = [peer for peer in holders if peer != self.stage_index]
+            tag = 2 * self.num_microbatches + tag  # after every micro-batch's forward and backward tags
+            peers = [peer for peer in weight.names if peer != self.stage_index]
             sends = [self._gloo(CALLS, dist.isend, mine, peer, tag=tag) for peer in peers]
             grads = {self.stage_index: mine}
             for peer in peers:
@@ -207,6 +209,7 @@ class StageWorker:
                 self._gloo(CALLS, dist.recv, grads[peer], peer, tag=tag)
             for work in sends:
                 self._gloo(CALLS, work.wait)
+            holders = list(weight.names)
             total = grads[holders[0]].clone()
             for holder in holders[1:]:
                 total += grads[holder]
@@ -217,7 +220,7 @@ class StageWorker:
         summed over the stages (p2p's process group), and every stage scales its gradients by the
         one coefficient that norm gives, as one process would. A shared weight counts once, on the
         first stage holding it."""
-        counted = [param for name, param in self.module.named_parameters() if self._counts(name)]
+        counted = [param for name, param in self.module.named_parameters() if name not in self.counted_elsewhere]
         grads = [p.grad for p in counted if p.grad is not None]
         squared = torch.nn.utils.get_total_norm(grads).pow(2).reshape(1) if grads else torch.zeros(1)
         if dist.is_initialized():
@@ -225,9 +228,6 @@ class StageWorker:
         total = squared.sqrt()[0]
         torch.nn.utils.clip_grads_with_norm_(self.module.parameters(), self.clip_norm, total)
         self.grad_norms.append(float(total))
-
-    def _counts(self, name: str) -> bool:
-        return self.shared.get(name, [self.stage_index])[0] == self.stage_index
 
     def take_grad_norms(self) -> list[float]:
         """The whole model's gradient norm before clipping of each step since the last call."""

@@ -9,12 +9,13 @@ from dataclasses import asdict
 import pytest
 import torch
 
+from models import NamedSequential, split_into_stages
 from ray_jobs.core.config import TrainConfig
 from ray_jobs.core.model_init import materialize
 from ray_jobs.core.pretrained import params_on_meta
 from ray_jobs.data.parquet import read_dataset
 from ray_jobs.driver.prepare import prepare
-from ray_jobs.pipeline.cut import shared_parameters, split_model, stage_keys, stage_units
+from ray_jobs.pipeline.cut import SharedWeight, shared_weights, split_model, stage_keys, stage_units
 from ray_jobs.pipeline.scaling import PipelineScaling
 from ray_jobs.pipeline.stage import StageWorker
 from tests.helpers import write_tokens
@@ -60,8 +61,20 @@ def test_the_stages_in_a_row_are_the_model_bit_for_bit_under_its_own_names(check
 
 def test_a_tied_embedding_and_head_cut_apart_are_one_weight_two_stages_hold(checkpoints):
     stages = split_model(loaded(checkpoints["gpt2"]), 3, "hf:gpt2")
-    assert shared_parameters(stages) == [{"transformer.wte.weight": [0, 2]}, {}, {"lm_head.weight": [0, 2]}]
-    assert shared_parameters(split_model(loaded(checkpoints["llama"]), 3, "hf:llama")) == [{}, {}, {}]
+    assert shared_weights(stages) == [SharedWeight({0: "transformer.wte.weight", 2: "lm_head.weight"})]
+    assert shared_weights(split_model(loaded(checkpoints["llama"]), 3, "hf:llama")) == []
+
+
+def test_every_stage_lists_the_shared_weights_in_one_order_whatever_it_calls_them():
+    """The list's order is the tag each weight's gradients cross under: stage 2 names the two tied
+    weights in the other alphabetical order than stage 0, and must still pair them alike."""
+    a, b, middle, c, d = (torch.nn.Linear(4, 4) for _ in range(5))
+    c.weight, d.weight = b.weight, a.weight
+    stages = split_into_stages(NamedSequential(a=a, b=b, m=middle, c=c, d=d), 3, unit_costs=[1, 1, 2, 1, 1])
+    assert [weight.names for weight in shared_weights(stages)] == [
+        {0: "a.weight", 2: "d.weight"},
+        {0: "b.weight", 2: "c.weight"},
+    ]
 
 
 def test_a_family_the_pipeline_does_not_write_out_is_refused_in_one_line():
