@@ -4,9 +4,10 @@ seeded, or loaded from ``--init-from``; and the one warning for layers a strateg
 
 from __future__ import annotations
 
+import contextlib
 import io
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,7 @@ from ray_jobs.core.pretrained import (
     match_names,
     params_on_meta,
     read_source,
+    tied_names,
 )
 from ray_jobs.data.parquet import Dataset
 
@@ -89,25 +91,29 @@ def probe_model(cfg: TrainConfig, dataset, factory: Callable[..., nn.Module] | N
     return make_model(cfg, dataset, factory) if model is None else model
 
 
-def materialize(module: nn.Module, device: torch.device) -> nn.Module:
-    """``module``, its parameters built on meta (``params_on_meta``), given memory on ``device`` to load
-    weights into: the buffers it computed when built (a rotary ``inv_freq``, in no checkpoint) keep
-    their values, and parameters it ties (an embedding and its head) stay one tensor, which
-    ``to_empty`` alone would make two."""
+@contextlib.contextmanager
+def computed_buffers_kept(module: nn.Module) -> Iterator[None]:
+    """Within, ``module.to_empty`` may run: the buffers ``module`` computed when built (a rotary
+    ``inv_freq``, in no checkpoint; real under ``params_on_meta``) get their values back after."""
     buffers = {name: buffer.clone() for name, buffer in module.named_buffers() if not buffer.is_meta}
-    first: dict[int, str] = {}
-    tied = {}  # a parameter's second name -> its first
-    for name, param in module.named_parameters(remove_duplicate=False):
-        tied.update({name: first[id(param)]} if id(param) in first else {})
-        first.setdefault(id(param), name)
-    module.to_empty(device=device)
+    yield
     with torch.no_grad():
         for name, buffer in module.named_buffers():
             if name in buffers:
                 buffer.copy_(buffers[name])
+
+
+def materialize(module: nn.Module, device: torch.device) -> nn.Module:
+    """``module``, its parameters built on meta (``params_on_meta``), given memory on ``device`` to load
+    weights into: its computed buffers keep their values (``computed_buffers_kept``), and tensors it
+    ties (an embedding and its head) stay one, which ``to_empty`` alone would make two."""
+    tied = tied_names(module)
+    with computed_buffers_kept(module):
+        module.to_empty(device=device)
     for alias, first in tied.items():
         parent, _, attribute = alias.rpartition(".")
-        setattr(module.get_submodule(parent), attribute, module.get_parameter(first))
+        owner, _, name = first.rpartition(".")
+        setattr(module.get_submodule(parent), attribute, getattr(module.get_submodule(owner), name))
     return module
 
 

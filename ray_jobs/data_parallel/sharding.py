@@ -39,7 +39,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ray_jobs.core.checkpoint import SHARDS_DIR, WEIGHTS_DIR, TrainState
 from ray_jobs.core.evaluation import chunk_sums, my_chunks, num_chunks
-from ray_jobs.core.model_init import SafetensorsInit, on_meta
+from ray_jobs.core.model_init import SafetensorsInit, computed_buffers_kept, on_meta
 from ray_jobs.core.pretrained import DTYPES
 from ray_jobs.data import storage
 from ray_jobs.data_parallel.wrap import Replicas
@@ -202,12 +202,9 @@ class Shards(Replicas):
         """``model`` built with its parameters on meta (``params_on_meta``), sharded, then each rank's
         own slices read from the safetensors files: no rank ever holds more than its shard of the
         weights, as torchtitan loads (build on meta, ``fully_shard``, ``to_empty``, load)."""
-        buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}  # computed in __init__
-        wrapped = self.wrap(model, device, precision)
-        model.to_empty(device=device)
-        with torch.no_grad():
-            for name, buffer in model.named_buffers():
-                buffer.copy_(buffers[name])
+        with computed_buffers_kept(model):
+            wrapped = self.wrap(model, device, precision)
+            model.to_empty(device=device)
         with storage.local_directory(initial.weights.directory) as path:
             read_slices(get_model_state_dict(model), initial, path)
         return wrapped
