@@ -25,9 +25,13 @@ class Request:
     count: int
     resource_flags: dict[str, str] = field(default_factory=dict)
     """Per resource, the flag that sets one bundle's share: ``{"CPU": "--cpus-per-worker"}``."""
+    label: str = ""
+    """What the bundles are, when the count flag alone does not say (a pipeline's R x S actors)."""
 
     @property
     def what(self) -> str:
+        if self.label:
+            return self.label
         return f"{self.count_flag} {self.count}" if self.count_flag else "the run"
 
 

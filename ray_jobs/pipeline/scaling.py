@@ -19,7 +19,7 @@ from ray_jobs.core.config import (
 )
 from ray_jobs.core.pretrained import is_pretrained
 from ray_jobs.driver.prepare import PreparedRun
-from ray_jobs.driver.resources import gpu_sharing
+from ray_jobs.driver.resources import Request, gpu_sharing
 from ray_jobs.pipeline.cut import StageCut, cut_stages, measured_unit_costs, meta_stages, shared_names
 from ray_jobs.pipeline.schedules import SCHEDULES
 from ray_jobs.pipeline.transports import TRANSPORTS
@@ -32,7 +32,18 @@ class PipelineScaling:
     """How the model is cut and where its stages run."""
 
     num_stages: int = field(default=2, metadata=flag_doc("pipeline stages, one Ray actor (and GPU) each", "pipeline"))
-    num_microbatches: int = field(default=4, metadata=flag_doc("micro-batches per global batch", "pipeline"))
+    num_microbatches: int = field(
+        default=4,
+        metadata=flag_doc("micro-batches per global batch (per replica's share with --data-parallel)", "pipeline"),
+    )
+    data_parallel: int = field(
+        default=1,
+        metadata=flag_doc(
+            "R replicas of the whole pipeline (R x S stage actors): each takes 1/R of every global batch, and each "
+            "stage's gradients are averaged with its R-1 copies before every step (DP x PP, over p2p's gloo group)",
+            "pipeline",
+        ),
+    )
     schedule: str = field(
         default="1f1b", metadata=flag_doc("micro-batch schedule", "pipeline", choices=sorted(SCHEDULES))
     )
@@ -92,6 +103,12 @@ class PipelineScaling:
         require_choice(self.stage_balance, STAGE_BALANCES, "stage_balance")
         require(self.num_stages >= 1, "num_stages", self.num_stages, "at least 1")
         require(self.num_microbatches >= 1, "num_microbatches", self.num_microbatches, "at least 1")
+        require(self.data_parallel >= 1, "data_parallel", self.data_parallel, "at least 1")
+        if self.data_parallel > 1 and self.transport not in ("auto", "p2p"):
+            raise ValueError(
+                f"--data-parallel {self.data_parallel} needs --transport p2p, not {self.transport}: each stage "
+                "averages its gradients with its copies over p2p's process group"
+            )
         require(self.cpus_per_stage > 0, "cpus_per_stage", self.cpus_per_stage, "positive")
         require(self.gpus_per_stage > 0, "gpus_per_stage", self.gpus_per_stage, "positive")
         if self.gpus_per_stage != 1.0 and not self.use_gpu:
@@ -101,6 +118,14 @@ class PipelineScaling:
 
     def check(self, cfg: TrainConfig) -> None:
         """Checks that need both configs, run before Ray is touched."""
+        if self.data_parallel > 1:
+            per_replica = self.data_parallel * self.num_microbatches
+            if cfg.batch_size % per_replica:
+                raise ValueError(
+                    f"--batch-size {cfg.batch_size} must divide into --data-parallel {self.data_parallel} shares of "
+                    f"--num-microbatches {self.num_microbatches} equal micro-batches (a multiple of {per_replica}): "
+                    "unequal shares would weigh rows unequally in the replicas' average"
+                )
         require_divisible(cfg.batch_size, self.num_microbatches, "--num-microbatches")
         require_gpu_for_fp16(cfg, self.use_gpu, "--use-gpu")
         if cfg.grad_accum_steps > 1:
@@ -171,12 +196,41 @@ class PipelineScaling:
     @property
     def shared_gpus(self) -> str | None:
         """Why two stages may share a GPU (``devices.gpu_sharing``), or None."""
-        return gpu_sharing(self.num_stages, self.gpus_each, what="--num-stages", flag="--gpus-per-stage")
+        return gpu_sharing(self.num_actors, self.gpus_each, what=self.count_flags, flag="--gpus-per-stage")
+
+    @property
+    def num_actors(self) -> int:
+        """Stage actors in all: S per replica."""
+        return self.num_stages * self.data_parallel
+
+    @property
+    def count_flags(self) -> str:
+        """The flags that set ``num_actors``, for messages."""
+        return "--num-stages" if self.data_parallel == 1 else "--num-stages x --data-parallel"
+
+    @property
+    def request(self) -> Request:
+        """What the run asks Ray to place, for its refusals."""
+        label = ""
+        if self.data_parallel > 1:
+            grid = f"--num-stages {self.num_stages} x --data-parallel {self.data_parallel}"
+            label = f"{self.num_actors} stage actors ({grid})"
+        resources = {"CPU": "--cpus-per-stage", "GPU": "--gpus-per-stage"}
+        return Request(self.count_flags, self.num_actors, resources, label)
 
     @property
     def bundles(self) -> list[dict[str, float]]:
+        """One bundle per stage actor, in ``bundle_index`` order."""
         bundle = {"CPU": self.cpus_per_stage, **({"GPU": self.gpus_per_stage} if self.use_gpu else {})}
-        return [dict(bundle) for _ in range(self.num_stages)]
+        return [dict(bundle) for _ in range(self.num_actors)]
+
+    def bundle_index(self, replica: int, stage: int) -> int:
+        """Bundles are listed stage by stage, a stage's R replicas side by side, so that PACK
+        (which fills a node before the next, in bundle order) puts a stage's copies on one node
+        while they fit: their gradient all-reduce, a whole stage's weights each step, then stays
+        on the node's links, and only the activations between stages cross nodes (data innermost,
+        as DeepSpeed's PipeDataParallelTopology lays it out)."""
+        return stage * self.data_parallel + replica
 
 
 def _stage_ms(cut: StageCut, unit_seconds: list[float]) -> str:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ray_jobs.core.activations import checkpoint_activations
-from ray_jobs.core.batches import microbatches
+from ray_jobs.core.batches import microbatches, shard
 from ray_jobs.core.checkpoint import (
     TrainState,
     load_named_optimizer_state,
@@ -53,7 +53,7 @@ def _described(method):
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        with described(f"stage {self.stage_index}", passing=(PeerLost,)):
+        with described(self.name, passing=(PeerLost,)):
             return method(self, *args, **kwargs)
 
     return wrapper
@@ -74,6 +74,8 @@ class StageWorker:
         reader=None,
         model_factory=None,
         unit_costs: list[float] | None = None,
+        replica: int = 0,
+        num_replicas: int = 1,
     ) -> None:
         cfg = TrainConfig(**train)
         torch.set_num_threads(num_threads)
@@ -84,6 +86,12 @@ class StageWorker:
         self.stage_index, self.num_stages, self.seed, self.precision = stage_index, num_stages, cfg.seed, cfg.precision
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.num_microbatches = num_microbatches
+        # --data-parallel: this actor is stage ``stage_index`` of replica ``replica``; ranks run
+        # replica by replica, so a replica's stages are neighbouring ranks.
+        self.replica, self.num_replicas = replica, num_replicas
+        self.rank = replica * num_stages + stage_index
+        self.name = f"stage {stage_index}" + (f" of replica {replica}" if num_replicas > 1 else "")
+        self.replicas_group = self.pipeline_group = None  # the default group while R is 1
         stages = meta_stages(cfg, dataset, num_stages, model_factory, unit_costs)
         # What crosses each cut, per row: a receiver must know the shape before the bytes arrive.
         self.boundary_shapes = boundary_shapes(stages, dataset)
@@ -114,7 +122,7 @@ class StageWorker:
         self.alive: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.loss_sum = torch.zeros(())
         self.timing = _new_timing()
-        torch.manual_seed(rank_seed(cfg.seed, stage_index))  # this stage's dropout draws
+        torch.manual_seed(rank_seed(cfg.seed, self.rank))  # this actor's dropout draws
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -179,6 +187,8 @@ class StageWorker:
         began = time.perf_counter()
         self.schedule.apply(self.optimizer, self.optimizer_steps)
         self.optimizer_steps += 1  # a step fp16 skips still counts, as LambdaLR counts it
+        if self.num_replicas > 1:
+            self._average_replicas()
         self._sum_shared_grads()
         if self.clip_norm is not None:
             self._clip()
@@ -193,6 +203,31 @@ class StageWorker:
         loss, self.loss_sum = self.loss_sum.item() / self.num_microbatches, torch.zeros(())
         return loss
 
+    def _average_replicas(self) -> None:
+        """--data-parallel: this stage's gradients (and, on the last stage, its share's loss)
+        averaged with the same stage of every replica, in one all-reduce of one flat buffer
+        through host memory (gloo). Each replica's loss is its share's mean, its gradients
+        that mean's, so their average over R equal shares is the whole global batch's, as one
+        process computes it. A parameter no replica's share reached keeps no gradient."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        parts = [p.grad.reshape(-1).to("cpu", torch.float32) for p in params]
+        if self.is_last:
+            parts.append(self.loss_sum.reshape(1).to(torch.float32))
+        flat = torch.cat(parts) if parts else torch.zeros(0)
+        self._gloo(CALLS, dist.all_reduce, flat, op=dist.ReduceOp.SUM, group=self.replicas_group)
+        flat /= self.num_replicas
+        if self.is_last:
+            self.loss_sum = flat[-1:].reshape(()).to(self.loss_sum.dtype).clone()
+        offset = 0
+        for param in params:
+            size = param.grad.numel()
+            param.grad.copy_(flat[offset : offset + size].view_as(param.grad))
+            offset += size
+
+    def rank_of(self, stage: int) -> int:
+        """The process-group rank of ``stage`` in this actor's replica."""
+        return self.replica * self.num_stages + stage
+
     def _sum_shared_grads(self) -> None:
         """Each weight this stage shares with others: its gradient becomes the sum of every holder's,
         added in stage order on each, so the holders step alike, as the one tensor they stand for
@@ -202,11 +237,11 @@ class StageWorker:
             mine = torch.zeros_like(param, device="cpu") if param.grad is None else param.grad.to("cpu")
             tag = 2 * self.num_microbatches + tag  # after every micro-batch's forward and backward tags
             peers = [peer for peer in weight.names if peer != self.stage_index]
-            sends = [self._gloo(CALLS, dist.isend, mine, peer, tag=tag) for peer in peers]
+            sends = [self._gloo(CALLS, dist.isend, mine, self.rank_of(peer), tag=tag) for peer in peers]
             grads = {self.stage_index: mine}
             for peer in peers:
                 grads[peer] = torch.empty_like(mine)
-                self._gloo(CALLS, dist.recv, grads[peer], peer, tag=tag)
+                self._gloo(CALLS, dist.recv, grads[peer], self.rank_of(peer), tag=tag)
             for work in sends:
                 self._gloo(CALLS, work.wait)
             holders = list(weight.names)
@@ -223,8 +258,8 @@ class StageWorker:
         counted = [param for name, param in self.module.named_parameters() if name not in self.counted_elsewhere]
         grads = [p.grad for p in counted if p.grad is not None]
         squared = torch.nn.utils.get_total_norm(grads).pow(2).reshape(1) if grads else torch.zeros(1)
-        if dist.is_initialized():
-            self._gloo(CALLS, dist.all_reduce, squared, op=dist.ReduceOp.SUM)
+        if dist.is_initialized():  # this replica's stages: after the average, every replica's norm is one
+            self._gloo(CALLS, dist.all_reduce, squared, op=dist.ReduceOp.SUM, group=self.pipeline_group)
         total = squared.sqrt()[0]
         torch.nn.utils.clip_grads_with_norm_(self.module.parameters(), self.clip_norm, total)
         self.grad_norms.append(float(total))
@@ -264,15 +299,28 @@ class StageWorker:
     def join_group(self, address: str, schedule: str, timeout_s: float) -> None:
         """Join the stages' gloo process group; ``timeout_s`` bounds every receive, so a stage
         whose peer died fails instead of waiting for ever."""
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
-            "gloo",
-            init_method=address,
-            rank=self.stage_index,
-            world_size=self.num_stages,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            "gloo", init_method=address, rank=self.rank, world_size=self.num_stages * self.num_replicas, timeout=timeout
         )
+        if self.num_replicas > 1:
+            self._join_subgroups(timeout)
         self.ops = SCHEDULES[schedule](self.num_stages, self.num_microbatches)[self.stage_index]
         self.receives_ahead = receives_ahead(self.ops)
+
+    def _join_subgroups(self, timeout: datetime.timedelta) -> None:
+        """--data-parallel: a group per stage (its R copies: the gradient average) and a group per
+        replica (its S stages: the global norm). Every rank creates every group, in one order, as
+        ``new_group`` requires; each keeps the two it belongs to."""
+        stages, replicas = range(self.num_stages), range(self.num_replicas)
+        for stage in stages:
+            group = dist.new_group([r * self.num_stages + stage for r in replicas], timeout=timeout)
+            if stage == self.stage_index:
+                self.replicas_group = group
+        for replica in replicas:
+            group = dist.new_group([replica * self.num_stages + s for s in stages], timeout=timeout)
+            if replica == self.replica:
+                self.pipeline_group = group
 
     @_described
     def run_batches(self, batches: torch.Tensor) -> list[float]:
@@ -281,7 +329,10 @@ class StageWorker:
         dispatch gap between batches (measured ~7 ms here) that every stage waits through;
         one tensor instead of a tensor per micro-batch because Ray pickles each tensor
         separately (measured: 64 of them took ~25 ms to submit)."""
-        return [self.run_batch(microbatches(batch, self.num_microbatches)) for batch in batches]
+        return [
+            self.run_batch(microbatches(shard(batch, self.num_replicas, self.replica), self.num_microbatches))
+            for batch in batches
+        ]
 
     def run_batch(self, rows: list[torch.Tensor]) -> float:
         """One global batch: this stage's ops in schedule order, then the optimizer step.
@@ -305,7 +356,7 @@ class StageWorker:
                 received = self._wait_receive(op, *posted.popleft())
             out = self.forward(m, received, rows[m]) if forward else self.backward(m, received)
             if out is not None:
-                peer = self.stage_index + (1 if forward else -1)
+                peer = self.rank_of(self.stage_index + (1 if forward else -1))
                 sends.append((self._gloo(CALLS, dist.isend, out, peer, tag=_tag(op, self.num_microbatches)), out))
         for work, _ in sends:
             self._gloo(CALLS, work.wait)
@@ -320,9 +371,7 @@ class StageWorker:
         try:
             return call(*args, **kwargs)
         except RuntimeError as error:
-            raise PeerLost(
-                f"stage {self.stage_index}: {str(error).splitlines()[0] if str(error) else error!r}"
-            ) from None
+            raise PeerLost(f"{self.name}: {str(error).splitlines()[0] if str(error) else error!r}") from None
         finally:
             self.timing[timing_key] += time.perf_counter() - began
 
@@ -333,7 +382,8 @@ class StageWorker:
         peer = self.stage_index + (-1 if op.kind == FORWARD else 1)
         shape, dtype = self.boundary_shapes[min(peer, self.stage_index)]  # the cut between the two
         buffer = torch.empty((len(rows[op.microbatch]), *shape), dtype=dtype)  # gloo: host memory
-        return op, self._gloo(CALLS, dist.irecv, buffer, peer, tag=_tag(op, self.num_microbatches)), buffer
+        work = self._gloo(CALLS, dist.irecv, buffer, self.rank_of(peer), tag=_tag(op, self.num_microbatches))
+        return op, work, buffer
 
     def _wait_receive(self, op, posted_op, work, buffer: torch.Tensor) -> torch.Tensor:
         if posted_op != op:
@@ -361,8 +411,12 @@ class StageWorker:
         self.module.load_state_dict(state.model)
         load_named_optimizer_state(self.optimizer, dict(self.module.named_parameters()), state.optimizer)
         restore_scaler(self.scaler, state)
-        resume_rng(state.rng[0] if state.rng else None, self.seed, self.stage_index, state.epochs_completed)
+        resume_rng(state.rng[0] if state.rng else None, self.seed, self.rank, state.epochs_completed)
         self.optimizer_steps = self.schedule.step_of(state.epochs_completed, state.step)
+
+    def rng(self) -> dict[str, Any]:
+        """This actor's RNG state alone: a replica's copy of a stage checkpoints nothing else."""
+        return rng_state()
 
     def peak_memory(self) -> dict[str, int | None]:
         """Peak resident memory of this stage's process, and its GPU's peak allocation."""

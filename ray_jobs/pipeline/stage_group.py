@@ -60,22 +60,27 @@ class StageGroup:
         ready, _ = ray.wait([self.group.ready()], timeout=timeout)
         if not ready:
             raise StartFailed(
-                f"the {scaling.num_stages} stage bundles {scaling.bundles[0]} were not placed "
+                f"the {scaling.num_actors} stage bundles {scaling.bundles[0]} were not placed "
                 f"within --resource-timeout {timeout:g} s ({scaling.placement_strategy})"
             )
         requested = resolve_transport(
             scaling,
             _bundle_nodes(self.group),
             prepared.cfg.precision,
-            prepared.cfg.grad_clip_norm is not None or bool(self.cut.shared),
+            prepared.cfg.grad_clip_norm is not None or bool(self.cut.shared) or scaling.data_parallel > 1,
         )
         device_transport = scaling.use_gpu and requested == "compiled"
         dataset = ray.put(prepared.dataset)
+        # Rank order: replica by replica, stage by stage within each.
         self.actors = [
             self._start(
-                index, prepared, dataset, {k: prepared.initial_state[k] for k in self.keys[index]}, device_transport
+                rank,
+                prepared,
+                dataset,
+                {k: prepared.initial_state[k] for k in self.keys[self.stage_of(rank)]},
+                device_transport,
             )
-            for index in range(scaling.num_stages)
+            for rank in range(scaling.num_actors)
         ]
         self.nodes = self._get(
             [actor.node_id.remote() for actor in self.actors],
@@ -90,15 +95,25 @@ class StageGroup:
         except TransportFailed as error:
             raise StartFailed(f"{error} (stages on nodes {self.nodes})") from error
 
-    def _start(self, index: int, prepared: PreparedRun, dataset, initial_slice: dict, device_transport: bool):
+    def stage_of(self, rank: int) -> int:
+        return rank % self.scaling.num_stages
+
+    def name(self, rank: int) -> str:
+        """An actor as messages name it: its stage, and its replica under --data-parallel."""
+        replica = rank // self.scaling.num_stages
+        return f"stage {self.stage_of(rank)}" + (f" of replica {replica}" if self.scaling.data_parallel > 1 else "")
+
+    def _start(self, rank: int, prepared: PreparedRun, dataset, initial_slice: dict, device_transport: bool):
+        stage, replica = self.stage_of(rank), rank // self.scaling.num_stages
+        bundle = self.scaling.bundle_index(replica, stage)
         options = dict(
             num_cpus=self.scaling.cpus_per_stage,
             num_gpus=self.scaling.gpus_each or 0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=index),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle),
         )
         actor_cls = ray.remote(StageWorker).options(**options)
         return actor_cls.remote(
-            index,
+            stage,
             self.scaling.num_stages,
             self.scaling.num_microbatches,
             asdict(prepared.cfg),
@@ -110,18 +125,28 @@ class StageGroup:
             self.reader,
             prepared.model_factory,
             self.cut.unit_costs,
+            replica=replica,
+            num_replicas=self.scaling.data_parallel,
         )
 
     def gather_state(self) -> tuple[dict, dict, list, dict | None]:
-        """The unsplit model's weights and optimizer state from every stage's slice, each stage's
-        RNG state, and the fp16 scaler's state (the stages keep one scale: stage 0's)."""
-        parts = self._get([actor.state.remote() for actor in self.actors], "gathering the stages' state")
+        """The unsplit model's weights and optimizer state from every stage's slice (the first
+        replica's: the replicas hold the same), each actor's RNG state in rank order, and the fp16
+        scaler's state (the stages keep one scale: stage 0's)."""
+        first = self.actors[: self.scaling.num_stages]
+        refs = [actor.state.remote() for actor in first] + [actor.rng.remote() for actor in self.actors[len(first) :]]
+        answers = self._get(refs, "gathering the stages' state")
+        parts = answers[: len(first)]
         weights = {k: v for stage_weights, *_ in parts for k, v in stage_weights.items()}
         optimizer = merge_named_optimizer_states([optimizer for _, optimizer, *_ in parts])
-        return weights, optimizer, [rng for _, _, rng, _ in parts], parts[0][3]
+        rngs = [rng for _, _, rng, _ in parts] + answers[len(first) :]
+        return weights, optimizer, rngs, parts[0][3]
 
     def take_timing(self) -> list[dict[str, float]]:
-        return self._get([actor.take_timing.remote() for actor in self.actors], "the stages' timing")
+        """Each stage's timing: the first replica's (the others run the same schedule beside it).
+        Every actor's is taken, so none accumulates."""
+        timings = self._get([actor.take_timing.remote() for actor in self.actors], "the stages' timing")
+        return timings[: self.scaling.num_stages]
 
     def take_grad_norms(self) -> list[float]:
         """``--grad-clip-norm``: each step's whole-model norm before clipping (every stage has it; stage 0's)."""
@@ -132,11 +157,11 @@ class StageGroup:
 
     def restore(self, state: TrainState) -> None:
         """Send each stage its own slice of ``state``, never the whole."""
-        num_stages = len(self.actors)
+        num_actors = len(self.actors)
         self._get(
             [
-                actor.restore.remote(slice_state(state, self.keys[index], index, num_stages))
-                for index, actor in enumerate(self.actors)
+                actor.restore.remote(slice_state(state, self.keys[self.stage_of(rank)], rank, num_actors))
+                for rank, actor in enumerate(self.actors)
             ],
             "restoring the stages from the checkpoint",
         )
@@ -167,11 +192,12 @@ class StageGroup:
             except Exception:  # the actor is gone
                 index = probes[ready[0]]
                 node = self.nodes[index] if index < len(self.nodes) else "(not started)"
-                return f"stage {index} actor on node {node} died"
+                return f"{self.name(index)} actor on node {node} died"
         cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         silent = sorted(probes[ref] for ref in waiting)
         if silent:
-            return f"stages {silent} stopped answering ({cause})"
+            named = silent if self.scaling.data_parallel == 1 else [self.name(index) for index in silent]
+            return f"stages {named} stopped answering ({cause})"
         return f"a stage failed ({cause})"
 
     def shutdown(self) -> None:

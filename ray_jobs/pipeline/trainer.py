@@ -6,6 +6,10 @@ M micro-batches; activations flow forward and gradients back between the actors,
 the driver, in the order a schedule (GPipe or 1F1B) gives: over torch.distributed send/recv
 (``p2p``: one actor call per stage per few batches), a Ray Compiled Graph (``compiled``: nccl
 channels between GPUs), or one actor call per op with object references (``actor_calls``).
+
+``--data-parallel R`` runs R such pipelines side by side (DP x PP, R x S actors, over p2p): each
+replica takes 1/R of every global batch, and each stage averages its gradients with its R-1
+copies before the step, so every replica steps to the same weights, those of one process.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from ray_jobs.driver import interrupts
 from ray_jobs.driver.entry import entry_point
 from ray_jobs.driver.outputs import finish, finish_trained
 from ray_jobs.driver.prepare import PreparedRun
-from ray_jobs.driver.resources import Request, wait_for_bundles
+from ray_jobs.driver.resources import wait_for_bundles
 from ray_jobs.driver.summary import TrainSummary
 from ray_jobs.errors import TrainingFailed, root_cause
 from ray_jobs.observability.tensorboard import TrainLog
@@ -136,7 +140,7 @@ def _epoch(
     state.losses.append(sum(losses) / len(batches))
     state.epochs_completed, state.step, state.step_losses = epoch + 1, 0, []
     validation = _validate(stages, prepared, state)
-    throughput = throughput_text(new * cfg.batch_size / seconds, prepared.dataset.block_size, scaling.num_stages)
+    throughput = throughput_text(new * cfg.batch_size / seconds, prepared.dataset.block_size, scaling.num_actors)
     print(
         f"[raypar] epoch {epoch + 1}/{cfg.epochs}  loss {state.losses[-1]:.6f}{progress(validation)}{throughput}",
         flush=True,
@@ -206,7 +210,7 @@ def run(prepared: PreparedRun, scaling: PipelineScaling, faults: Faults = NO_FAU
     """
     cfg = prepared.cfg
     scaling.check(cfg)
-    trained = finish_trained(prepared, {"scaling": asdict(scaling)}, scaling.num_stages)
+    trained = finish_trained(prepared, {"scaling": asdict(scaling)}, scaling.num_actors)
     if trained is not None:
         return trained
     if scaling.num_microbatches < scaling.num_stages:
@@ -215,8 +219,7 @@ def run(prepared: PreparedRun, scaling: PipelineScaling, faults: Faults = NO_FAU
             "the pipeline can never fill, some stages always idle",
             stacklevel=2,
         )
-    request = Request("--num-stages", scaling.num_stages, {"CPU": "--cpus-per-stage", "GPU": "--gpus-per-stage"})
-    wait_for_bundles(scaling.bundles, scaling.placement_strategy, request, cfg.resource_timeout)
+    wait_for_bundles(scaling.bundles, scaling.placement_strategy, scaling.request, cfg.resource_timeout)
     with stream_reader(prepared, latest_progress(prepared.run_dir)) as reader:
         return _attempts(prepared, scaling, reader, faults)
 
@@ -260,6 +263,7 @@ def _finish(
         "transport": stages.transport.name,
         "schedule": scaling.schedule,
         "num_stages": scaling.num_stages,
+        "data_parallel": scaling.data_parallel,
         "num_microbatches": scaling.num_microbatches,
         **attempt.timing.report(scaling.schedule, scaling.num_stages, scaling.num_microbatches),
         **{
@@ -275,7 +279,7 @@ def _finish(
         "grad_norm": norm_readings(attempt.grad_norms),
         **reader_stats(reader),
     }
-    return finish(prepared, attempt.state, metrics, scaling.num_stages, {"scaling": asdict(scaling)}, extra)
+    return finish(prepared, attempt.state, metrics, scaling.num_actors, {"scaling": asdict(scaling)}, extra)
 
 
 def main(argv: list[str] | None = None) -> int:

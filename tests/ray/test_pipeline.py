@@ -14,6 +14,7 @@ from ray_jobs.pipeline.scaling import PipelineScaling
 from tests.helpers import (
     assert_same_weights,
     assert_trains_the_reference,
+    lm_config,
     load_weights,
     reference_for,
     run_strategy,
@@ -171,3 +172,31 @@ def test_a_stage_that_stops_answering_is_one_line_not_a_hang(ray_cluster):
     with pytest.raises(TrainingFailed, match=r"^the stage actors' start did not finish within --resource-timeout 0.2$"):
         group._get([ref], "the stage actors' start", 0.2, "--resource-timeout")
     ray.cancel(ref, force=True)
+
+
+@pytest.mark.parametrize("model", ["mlp-stream", "gpt"])
+def test_replicas_of_the_pipeline_train_the_single_process_weights(ray_cluster, stream_cfg, tokens, tmp_path, model):
+    """--data-parallel 2 x 2 stages (DP x PP), with a cosine schedule and a global-norm clip: each
+    replica takes half of every global batch, each stage averages its gradients with its copy, and
+    the clip sees the whole model's norm after the average. The mlp streams its rows and, failed
+    in its second epoch, resumes on one replica; the gpt checkpoints its blocks' activations."""
+    if model == "gpt":
+        cfg = lm_config(tokens, tmp_path, epochs=2, activation_checkpointing=True)
+        grid = PipelineScaling(num_stages=2, num_microbatches=2, schedule="1f1b", data_parallel=2, cpus_per_stage=0.5)
+    else:
+        cfg = with_(
+            stream_cfg, model="mlp", hidden=12, depth=3, lr_schedule="cosine", warmup_steps=2, grad_clip_norm=1.0
+        )
+        grid = PipelineScaling(num_stages=2, num_microbatches=2, schedule="gpipe", data_parallel=2, cpus_per_stage=0.5)
+        with pytest.raises(TrainingFailed):
+            run_strategy("pipeline", cfg, scaling=grid, fail_at_epoch=1)  # after epoch 1's checkpoint
+        grid = PipelineScaling(num_stages=2, num_microbatches=2, schedule="gpipe")
+    summary = run_strategy("pipeline", cfg, scaling=grid)
+    # Tolerance: assert_same_weights'; each replica's micro-batch gradients are summed, then
+    # averaged over the replicas in a gloo all-reduce: float32 rounding, another order per step.
+    assert_trains_the_reference(summary, cfg)
+    record = json.loads(open(f"{summary.run_dir}/summary.json").read())
+    if model == "gpt":
+        assert (record["world_size"], record["data_parallel"], len(record["stage_nodes"])) == (4, 2, 4)
+    else:
+        assert summary.resumed_from_epoch == 1 and record["data_parallel"] == 1

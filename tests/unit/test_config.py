@@ -169,3 +169,23 @@ def test_pipeline_scaling_errors():
 
     with pytest.raises(ValueError, match="--batches-per-call must be at least 1, got 0"):
         PipelineScaling(batches_per_call=0)
+
+
+def test_data_parallel_pipeline_grid_is_laid_out_stage_by_stage_and_refused_where_it_cannot_be_exact():
+    from ray_jobs.core.config import TrainConfig
+    from ray_jobs.driver.resources import ResourceError, check_bundles
+    from ray_jobs.pipeline.scaling import PipelineScaling
+
+    grid = PipelineScaling(num_stages=3, data_parallel=2)
+    # A stage's copies are neighbouring bundles: PACK keeps them on one node while they fit.
+    assert [grid.bundle_index(r, s) for s in range(3) for r in range(2)] == list(range(6))
+    assert len(grid.bundles) == grid.num_actors == 6
+    with pytest.raises(ResourceError, match=r"^6 stage actors \(--num-stages 3 x --data-parallel 2\) asks for 6 CPU"):
+        check_bundles(grid.bundles, "PACK", grid.request, nodes=[{"CPU": 4.0}])
+    with pytest.raises(ValueError, match="--data-parallel 2 needs --transport p2p, not compiled"):
+        PipelineScaling(data_parallel=2, transport="compiled")
+    with pytest.raises(ValueError, match="--data-parallel must be at least 1, got 0"):
+        PipelineScaling(data_parallel=0)
+    with pytest.raises(ValueError, match=r"--batch-size 12 must divide into --data-parallel 2 shares .* multiple of 8"):
+        PipelineScaling(num_microbatches=4, data_parallel=2).check(TrainConfig(batch_size=12))
+    PipelineScaling(num_microbatches=4, data_parallel=2).check(TrainConfig(batch_size=16))
