@@ -21,6 +21,7 @@ from ray_jobs.core.pretrained import is_pretrained
 from ray_jobs.driver.prepare import PreparedRun
 from ray_jobs.driver.resources import Request, gpu_sharing
 from ray_jobs.pipeline.cut import StageCut, cut_stages, measured_unit_costs, meta_stages, shared_names
+from ray_jobs.pipeline.replicas import STAGE_SHARDINGS
 from ray_jobs.pipeline.schedules import SCHEDULES
 from ray_jobs.pipeline.transports import TRANSPORTS
 
@@ -96,6 +97,16 @@ class PipelineScaling:
         ),
     )
 
+    stage_sharding: str = field(
+        default="none",
+        metadata=flag_doc(
+            "with --data-parallel R: fsdp fully_shards each stage over its R copies, so each actor holds 1/R of "
+            "its stage's weights, gradients and optimizer state (FSDP x PP); none replicates the stages",
+            "pipeline",
+            choices=STAGE_SHARDINGS,
+        ),
+    )
+
     def __post_init__(self) -> None:
         require(self.batch_timeout_s > 0, "batch_timeout_s", self.batch_timeout_s, "positive")
         require(self.batches_per_call >= 1, "batches_per_call", self.batches_per_call, "at least 1")
@@ -104,6 +115,11 @@ class PipelineScaling:
         require(self.num_stages >= 1, "num_stages", self.num_stages, "at least 1")
         require(self.num_microbatches >= 1, "num_microbatches", self.num_microbatches, "at least 1")
         require(self.data_parallel >= 1, "data_parallel", self.data_parallel, "at least 1")
+        require_choice(self.stage_sharding, STAGE_SHARDINGS, "stage_sharding")
+        if self.stage_sharding == "fsdp" and self.data_parallel < 2:
+            raise ValueError(
+                "--stage-sharding fsdp shards each stage over its copies: it needs --data-parallel 2 or more"
+            )
         if self.data_parallel > 1 and self.transport not in ("auto", "p2p"):
             raise ValueError(
                 f"--data-parallel {self.data_parallel} needs --transport p2p, not {self.transport}: each stage "
@@ -139,6 +155,8 @@ class PipelineScaling:
                 f"--grad-clip-norm on the pipeline needs --transport p2p, not {self.transport}: the stages sum "
                 "their gradients' squared norms over p2p's process group"
             )
+        if self.stage_sharding == "fsdp" and cfg.precision == "fp16":
+            raise ValueError("--stage-sharding fsdp runs fp32 or bf16: use --precision bf16, or --stage-sharding none")
         if cfg.grad_clip_norm is not None and cfg.precision == "fp16":
             raise ValueError(
                 "--grad-clip-norm with --precision fp16 runs on ddp and dp; the pipeline does not clip fp16 yet"
@@ -164,6 +182,11 @@ class PipelineScaling:
         """Cut the model (on the meta device) with the data's widths."""
         stages = meta_stages(prepared.cfg, prepared.dataset, self.num_stages, prepared.model_factory)
         shared = shared_names(stages)
+        if shared and self.stage_sharding == "fsdp":
+            raise ValueError(
+                f"--stage-sharding fsdp cannot shard this cut: {' and '.join(shared)} are one weight held by two "
+                "stages (a tied embedding and head), whose gradients the stages sum whole; use --stage-sharding none"
+            )
         if shared and self.transport not in ("auto", "p2p"):
             raise ValueError(
                 f"--transport {self.transport} cannot train this cut: {' and '.join(shared)} are one weight held by "

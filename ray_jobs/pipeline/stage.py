@@ -18,13 +18,12 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.experimental import implicit_replication
 
 from ray_jobs.core.activations import checkpoint_activations
 from ray_jobs.core.batches import microbatches, shard
 from ray_jobs.core.checkpoint import (
     TrainState,
-    load_named_optimizer_state,
-    named_optimizer_state,
     restore_scaler,
     resume_rng,
     rng_state,
@@ -36,8 +35,10 @@ from ray_jobs.core.step import autocast, build_optimizer, grad_scaler, loss_func
 from ray_jobs.data.device_copy import to_device
 from ray_jobs.data.stream import open_source
 from ray_jobs.errors import PeerLost, described
+from ray_jobs.observability.model_memory import model_state_bytes
 from ray_jobs.observability.process_stats import peak_rss_bytes
 from ray_jobs.pipeline.cut import boundary_shapes, meta_stages, shared_weights
+from ray_jobs.pipeline.replicas import Grid, stage_norm
 from ray_jobs.pipeline.schedules import FORWARD, SCHEDULES, peak_live_activations
 from ray_jobs.testing import faults
 
@@ -74,9 +75,10 @@ class StageWorker:
         reader=None,
         model_factory=None,
         unit_costs: list[float] | None = None,
-        replica: int = 0,
-        num_replicas: int = 1,
+        grid: Grid | None = None,
     ) -> None:
+        """``grid``: this actor's replica and how the replicas share the stage (--data-parallel,
+        --stage-sharding); None: the only replica."""
         cfg = TrainConfig(**train)
         torch.set_num_threads(num_threads)
         self.device = torch.device("cuda" if use_gpu else "cpu")
@@ -86,12 +88,8 @@ class StageWorker:
         self.stage_index, self.num_stages, self.seed, self.precision = stage_index, num_stages, cfg.seed, cfg.precision
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.num_microbatches = num_microbatches
-        # --data-parallel: this actor is stage ``stage_index`` of replica ``replica``; ranks run
-        # replica by replica, so a replica's stages are neighbouring ranks.
-        self.replica, self.num_replicas = replica, num_replicas
-        self.rank = replica * num_stages + stage_index
-        self.name = f"stage {stage_index}" + (f" of replica {replica}" if num_replicas > 1 else "")
-        self.replicas_group = self.pipeline_group = None  # the default group while R is 1
+        self.grid = grid or Grid(stage_index, num_stages)
+        self.name, self.cfg = self.grid.name, cfg
         stages = meta_stages(cfg, dataset, num_stages, model_factory, unit_costs)
         # What crosses each cut, per row: a receiver must know the shape before the bytes arrive.
         self.boundary_shapes = boundary_shapes(stages, dataset)
@@ -122,7 +120,7 @@ class StageWorker:
         self.alive: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.loss_sum = torch.zeros(())
         self.timing = _new_timing()
-        torch.manual_seed(rank_seed(cfg.seed, self.rank))  # this actor's dropout draws
+        torch.manual_seed(rank_seed(cfg.seed, self.grid.rank))  # this actor's dropout draws
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -187,8 +185,9 @@ class StageWorker:
         began = time.perf_counter()
         self.schedule.apply(self.optimizer, self.optimizer_steps)
         self.optimizer_steps += 1  # a step fp16 skips still counts, as LambdaLR counts it
-        if self.num_replicas > 1:
-            self._average_replicas()
+        averaged = self.grid.average(self.module, self.loss_sum if self.is_last else None)
+        if averaged is not None:
+            self.loss_sum = averaged
         self._sum_shared_grads()
         if self.clip_norm is not None:
             self._clip()
@@ -203,31 +202,6 @@ class StageWorker:
         loss, self.loss_sum = self.loss_sum.item() / self.num_microbatches, torch.zeros(())
         return loss
 
-    def _average_replicas(self) -> None:
-        """--data-parallel: this stage's gradients (and, on the last stage, its share's loss)
-        averaged with the same stage of every replica, in one all-reduce of one flat buffer
-        through host memory (gloo). Each replica's loss is its share's mean, its gradients
-        that mean's, so their average over R equal shares is the whole global batch's, as one
-        process computes it. A parameter no replica's share reached keeps no gradient."""
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        parts = [p.grad.reshape(-1).to("cpu", torch.float32) for p in params]
-        if self.is_last:
-            parts.append(self.loss_sum.reshape(1).to(torch.float32))
-        flat = torch.cat(parts) if parts else torch.zeros(0)
-        self._gloo(CALLS, dist.all_reduce, flat, op=dist.ReduceOp.SUM, group=self.replicas_group)
-        flat /= self.num_replicas
-        if self.is_last:
-            self.loss_sum = flat[-1:].reshape(()).to(self.loss_sum.dtype).clone()
-        offset = 0
-        for param in params:
-            size = param.grad.numel()
-            param.grad.copy_(flat[offset : offset + size].view_as(param.grad))
-            offset += size
-
-    def rank_of(self, stage: int) -> int:
-        """The process-group rank of ``stage`` in this actor's replica."""
-        return self.replica * self.num_stages + stage
-
     def _sum_shared_grads(self) -> None:
         """Each weight this stage shares with others: its gradient becomes the sum of every holder's,
         added in stage order on each, so the holders step alike, as the one tensor they stand for
@@ -237,11 +211,11 @@ class StageWorker:
             mine = torch.zeros_like(param, device="cpu") if param.grad is None else param.grad.to("cpu")
             tag = 2 * self.num_microbatches + tag  # after every micro-batch's forward and backward tags
             peers = [peer for peer in weight.names if peer != self.stage_index]
-            sends = [self._gloo(CALLS, dist.isend, mine, self.rank_of(peer), tag=tag) for peer in peers]
+            sends = [self._gloo(CALLS, dist.isend, mine, self.grid.rank_of(peer), tag=tag) for peer in peers]
             grads = {self.stage_index: mine}
             for peer in peers:
                 grads[peer] = torch.empty_like(mine)
-                self._gloo(CALLS, dist.recv, grads[peer], self.rank_of(peer), tag=tag)
+                self._gloo(CALLS, dist.recv, grads[peer], self.grid.rank_of(peer), tag=tag)
             for work in sends:
                 self._gloo(CALLS, work.wait)
             holders = list(weight.names)
@@ -257,11 +231,12 @@ class StageWorker:
         first stage holding it."""
         counted = [param for name, param in self.module.named_parameters() if name not in self.counted_elsewhere]
         grads = [p.grad for p in counted if p.grad is not None]
-        squared = torch.nn.utils.get_total_norm(grads).pow(2).reshape(1) if grads else torch.zeros(1)
+        squared = stage_norm(grads).pow(2).reshape(1)
         if dist.is_initialized():  # this replica's stages: after the average, every replica's norm is one
-            self._gloo(CALLS, dist.all_reduce, squared, op=dist.ReduceOp.SUM, group=self.pipeline_group)
+            self._gloo(CALLS, dist.all_reduce, squared, op=dist.ReduceOp.SUM, group=self.grid.pipeline)
         total = squared.sqrt()[0]
-        torch.nn.utils.clip_grads_with_norm_(self.module.parameters(), self.clip_norm, total)
+        with implicit_replication():  # a sharded stage's gradients (DTensors) scaled by the plain total
+            torch.nn.utils.clip_grads_with_norm_(self.module.parameters(), self.clip_norm, total)
         self.grad_norms.append(float(total))
 
     def take_grad_norms(self) -> list[float]:
@@ -296,31 +271,21 @@ class StageWorker:
             return f"tcp://{ip}:{probe.getsockname()[1]}"
 
     @_described
-    def join_group(self, address: str, schedule: str, timeout_s: float) -> None:
-        """Join the stages' gloo process group; ``timeout_s`` bounds every receive, so a stage
-        whose peer died fails instead of waiting for ever."""
-        timeout = datetime.timedelta(seconds=timeout_s)
+    def join_group(self, address: str, schedule: str, timeout_s: float, replicas_backend: str = "gloo") -> None:
+        """Join the stages' gloo process group, and the grid's subgroups (``replicas_backend``: the
+        replicas'); ``timeout_s`` bounds every receive, so a stage whose peer died fails instead
+        of waiting for ever."""
+        timeout, grid = datetime.timedelta(seconds=timeout_s), self.grid
         dist.init_process_group(
-            "gloo", init_method=address, rank=self.rank, world_size=self.num_stages * self.num_replicas, timeout=timeout
+            "gloo", init_method=address, rank=grid.rank, world_size=grid.world_size, timeout=timeout
         )
-        if self.num_replicas > 1:
-            self._join_subgroups(timeout)
+        grid.join(timeout, replicas_backend)
+        if grid.sharded:
+            grid.shard(self.module, self.precision, self.device)
+            self.optimizer = build_optimizer(self.module.parameters(), self.cfg)  # over the shards
         self.ops = SCHEDULES[schedule](self.num_stages, self.num_microbatches)[self.stage_index]
+        self.last_backward = max(i for i, op in enumerate(self.ops) if op.kind != FORWARD)
         self.receives_ahead = receives_ahead(self.ops)
-
-    def _join_subgroups(self, timeout: datetime.timedelta) -> None:
-        """--data-parallel: a group per stage (its R copies: the gradient average) and a group per
-        replica (its S stages: the global norm). Every rank creates every group, in one order, as
-        ``new_group`` requires; each keeps the two it belongs to."""
-        stages, replicas = range(self.num_stages), range(self.num_replicas)
-        for stage in stages:
-            group = dist.new_group([r * self.num_stages + stage for r in replicas], timeout=timeout)
-            if stage == self.stage_index:
-                self.replicas_group = group
-        for replica in replicas:
-            group = dist.new_group([replica * self.num_stages + s for s in stages], timeout=timeout)
-            if replica == self.replica:
-                self.pipeline_group = group
 
     @_described
     def run_batches(self, batches: torch.Tensor) -> list[float]:
@@ -330,7 +295,7 @@ class StageWorker:
         one tensor instead of a tensor per micro-batch because Ray pickles each tensor
         separately (measured: 64 of them took ~25 ms to submit)."""
         return [
-            self.run_batch(microbatches(shard(batch, self.num_replicas, self.replica), self.num_microbatches))
+            self.run_batch(microbatches(shard(batch, self.grid.num_replicas, self.grid.replica), self.num_microbatches))
             for batch in batches
         ]
 
@@ -347,8 +312,10 @@ class StageWorker:
         sends = []  # (work, tensor): the tensor must outlive its asynchronous send
         receives = deque(op for op in self.ops if self._needs_input(op))
         posted: deque = deque()
-        for op in self.ops:
+        for index, op in enumerate(self.ops):
             m, forward = op.microbatch, op.kind == FORWARD
+            if not forward:
+                self.grid.before_backward(self.module, last=index == self.last_backward)
             received = None
             if self._needs_input(op):
                 while receives and len(posted) < self.receives_ahead:
@@ -356,7 +323,7 @@ class StageWorker:
                 received = self._wait_receive(op, *posted.popleft())
             out = self.forward(m, received, rows[m]) if forward else self.backward(m, received)
             if out is not None:
-                peer = self.rank_of(self.stage_index + (1 if forward else -1))
+                peer = self.grid.rank_of(self.stage_index + (1 if forward else -1))
                 sends.append((self._gloo(CALLS, dist.isend, out, peer, tag=_tag(op, self.num_microbatches)), out))
         for work, _ in sends:
             self._gloo(CALLS, work.wait)
@@ -382,7 +349,7 @@ class StageWorker:
         peer = self.stage_index + (-1 if op.kind == FORWARD else 1)
         shape, dtype = self.boundary_shapes[min(peer, self.stage_index)]  # the cut between the two
         buffer = torch.empty((len(rows[op.microbatch]), *shape), dtype=dtype)  # gloo: host memory
-        work = self._gloo(CALLS, dist.irecv, buffer, self.rank_of(peer), tag=_tag(op, self.num_microbatches))
+        work = self._gloo(CALLS, dist.irecv, buffer, self.grid.rank_of(peer), tag=_tag(op, self.num_microbatches))
         return op, work, buffer
 
     def _wait_receive(self, op, posted_op, work, buffer: torch.Tensor) -> torch.Tensor:
@@ -401,22 +368,24 @@ class StageWorker:
     def state(self) -> tuple[dict[str, torch.Tensor], dict, dict[str, Any], dict | None]:
         """This stage's weights, optimizer state, RNG state and fp16 scaler state (the same on every
         stage); Ray copies them out as it sends them."""
-        weights = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
-        optimizer = named_optimizer_state(self.optimizer, dict(self.module.named_parameters()))
+        weights, optimizer = self.grid.state(self.module, self.optimizer)
         return weights, optimizer, rng_state(), self.scaler.state_dict() if self.scaler else None
 
     @_described
     def restore(self, state: TrainState) -> None:
         """Restore this stage's slice of a checkpoint (``slice_state``)."""
-        self.module.load_state_dict(state.model)
-        load_named_optimizer_state(self.optimizer, dict(self.module.named_parameters()), state.optimizer)
+        self.grid.restore(self.module, self.optimizer, state.model, state.optimizer)
         restore_scaler(self.scaler, state)
-        resume_rng(state.rng[0] if state.rng else None, self.seed, self.rank, state.epochs_completed)
+        resume_rng(state.rng[0] if state.rng else None, self.seed, self.grid.rank, state.epochs_completed)
         self.optimizer_steps = self.schedule.step_of(state.epochs_completed, state.step)
 
     def rng(self) -> dict[str, Any]:
         """This actor's RNG state alone: a replica's copy of a stage checkpoints nothing else."""
         return rng_state()
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """What this actor holds of the model's state (a sharded stage: its shards)."""
+        return model_state_bytes(self.module, self.optimizer)
 
     def peak_memory(self) -> dict[str, int | None]:
         """Peak resident memory of this stage's process, and its GPU's peak allocation."""

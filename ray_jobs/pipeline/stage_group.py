@@ -15,6 +15,7 @@ from ray_jobs.core.checkpoint import TrainState, merge_named_optimizer_states, s
 from ray_jobs.driver.prepare import PreparedRun
 from ray_jobs.errors import TrainingFailed
 from ray_jobs.pipeline.cut import StageCut
+from ray_jobs.pipeline.replicas import Grid
 from ray_jobs.pipeline.stage import StageWorker
 from ray_jobs.pipeline.transports import STAGE_FAILURES, TransportFailed, connect, resolve_transport
 
@@ -125,21 +126,22 @@ class StageGroup:
             self.reader,
             prepared.model_factory,
             self.cut.unit_costs,
-            replica=replica,
-            num_replicas=self.scaling.data_parallel,
+            Grid(stage, self.scaling.num_stages, replica, self.scaling.data_parallel, self.scaling.stage_sharding),
         )
 
     def gather_state(self) -> tuple[dict, dict, list, dict | None]:
         """The unsplit model's weights and optimizer state from every stage's slice (the first
         replica's: the replicas hold the same), each actor's RNG state in rank order, and the fp16
         scaler's state (the stages keep one scale: stage 0's)."""
-        first = self.actors[: self.scaling.num_stages]
-        refs = [actor.state.remote() for actor in first] + [actor.rng.remote() for actor in self.actors[len(first) :]]
-        answers = self._get(refs, "gathering the stages' state")
-        parts = answers[: len(first)]
+        # Sharded stages gather their weights together: every copy is asked (all but the first
+        # answer without them); replicated ones are asked for their RNG alone.
+        first = len(self.actors) if self.scaling.stage_sharding == "fsdp" else self.scaling.num_stages
+        refs = [actor.state.remote() for actor in self.actors[:first]]
+        answers = self._get(refs + [actor.rng.remote() for actor in self.actors[first:]], "gathering the stages' state")
+        parts = answers[: self.scaling.num_stages]
         weights = {k: v for stage_weights, *_ in parts for k, v in stage_weights.items()}
         optimizer = merge_named_optimizer_states([optimizer for _, optimizer, *_ in parts])
-        rngs = [rng for _, _, rng, _ in parts] + answers[len(first) :]
+        rngs = [rng for _, _, rng, _ in answers[:first]] + answers[first:]
         return weights, optimizer, rngs, parts[0][3]
 
     def take_timing(self) -> list[dict[str, float]]:
@@ -151,6 +153,10 @@ class StageGroup:
     def take_grad_norms(self) -> list[float]:
         """``--grad-clip-norm``: each step's whole-model norm before clipping (every stage has it; stage 0's)."""
         return self._get([self.actors[0].take_grad_norms.remote()], "the stages' gradient norms")[0]
+
+    def model_state_bytes(self) -> list[dict[str, int]]:
+        """Each actor's parameters, gradients and optimizer state, in bytes, in rank order."""
+        return self._get([actor.model_state_bytes.remote() for actor in self.actors], "the stages' model state")
 
     def peak_memory(self) -> list[dict[str, int | None]]:
         return self._get([actor.peak_memory.remote() for actor in self.actors], "the stages' peak memory")

@@ -264,6 +264,7 @@ def _finish(
         "schedule": scaling.schedule,
         "num_stages": scaling.num_stages,
         "data_parallel": scaling.data_parallel,
+        "stage_model_state_bytes": stages.model_state_bytes(),  # rank order: replica by replica
         "num_microbatches": scaling.num_microbatches,
         **attempt.timing.report(scaling.schedule, scaling.num_stages, scaling.num_microbatches),
         **{

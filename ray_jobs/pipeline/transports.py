@@ -58,6 +58,13 @@ def resolve_transport(scaling, nodes: list[str], precision: str = "fp32", needs_
     return "compiled" if nccl else "p2p"
 
 
+def replicas_backend(scaling) -> str:
+    """The backend of a stage's copies' group (--data-parallel): nccl between GPU stages, each on a
+    device of its own, so the gradient average (or the sharded stage's collectives) stays on the
+    devices; gloo otherwise. The hops between stages stay on gloo (see ``resolve_transport``)."""
+    return "nccl" if scaling.use_gpu and not scaling.shared_gpus else "gloo"
+
+
 def connect(requested: str, actors: list, nodes: list[str], scaling, device_transport: bool):
     """Set up the ``requested`` transport between started stage actors."""
     if requested == "p2p":
@@ -88,7 +95,8 @@ class P2P:
             address = ray.get(actors[0].rendezvous_address.remote(), timeout=timeout)
         except GetTimeoutError:
             raise TransportFailed(f"stage 0 gave no rendezvous address within --batch-timeout-s {timeout:g}") from None
-        joins = [actor.join_group.remote(address, scaling.schedule, timeout) for actor in actors]
+        backend = replicas_backend(scaling)
+        joins = [actor.join_group.remote(address, scaling.schedule, timeout, backend) for actor in actors]
         try:
             # Failing fast: a stage that cannot join must not leave the others waiting out the timeout.
             get_failing_fast(joins, timeout)
