@@ -7,6 +7,7 @@ import statistics
 from typing import Any
 
 from ray_jobs.bench.report_accumulation import accumulation_section
+from ray_jobs.bench.report_comm_model import comm_model_section
 from ray_jobs.bench.report_data_parallel import ddp_sections, dp_vs_ddp_section
 from ray_jobs.bench.report_gpu import gpu_sections
 from ray_jobs.bench.report_ingest import ingest_section
@@ -36,6 +37,7 @@ def render(results: dict[str, Any]) -> str:
             + lm_section(results.get("lm"))
             + sharding_section(results.get("sharding"))
             + pretrained_section(results.get("pretrained"))
+            + comm_model_section(results.get("comm_model"))
             + gpu_sections(results)
             + _targets(results)
         )

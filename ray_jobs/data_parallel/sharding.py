@@ -41,6 +41,7 @@ from ray_jobs.core.checkpoint import SHARDS_DIR, WEIGHTS_DIR, TrainState
 from ray_jobs.core.evaluation import chunk_sums, my_chunks, num_chunks
 from ray_jobs.core.model_init import SafetensorsInit, computed_buffers_kept, on_meta
 from ray_jobs.core.pretrained import DTYPES
+from ray_jobs.core.shard_plan import precision_dtypes, shard_units
 from ray_jobs.data import storage
 from ray_jobs.data_parallel.wrap import Replicas
 
@@ -60,29 +61,6 @@ def _once(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             seen.add(where)
             once[name] = tensor
     return once
-
-
-def shard_units(model: nn.Module) -> list[str]:
-    """The modules that get a ``fully_shard`` group of their own, by name. A Hugging Face model's
-    are its decoder layers (the classes it lists in ``_no_split_modules``, as Accelerate wraps
-    them): its top-level children are the base model and the head. Any other model's are its
-    top-level children with parameters, none of which another child also holds. Parameters are
-    compared by identity, not by name, so a tied embedding and output head (GPT-2's) however named
-    stay together, in the root's group, which takes every parameter no group took."""
-    layers = set(getattr(model, "_no_split_modules", None) or ())
-    if layers:
-        found = [name for name, module in model.named_modules() if type(module).__name__ in layers]
-        if found:
-            return found
-    holders: dict[int, int] = {}
-    for child in model.children():
-        for param in set(child.parameters()):
-            holders[id(param)] = holders.get(id(param), 0) + 1
-    return [
-        name
-        for name, child in model.named_children()
-        if next(child.parameters(), None) is not None and all(holders[id(p)] == 1 for p in child.parameters())
-    ]
 
 
 def read_slices(state: dict[str, torch.Tensor], initial: SafetensorsInit, directory: str) -> None:
@@ -143,15 +121,6 @@ def _read_rows(handle, info, first_row: int, local: torch.Tensor) -> None:
         local.copy_(torch.frombuffer(into, dtype=dtype).view(local.shape))
 
 
-def mixed_precision(precision: str) -> MixedPrecisionPolicy:
-    """``--precision bf16``: weights all-gathered and computed in bf16, gradients reduced in fp32
-    (the sharded weights, their gradients and the optimizer state stay fp32), the output fp32 for
-    the loss; the train step's autocast still runs the loss as on one process. fp32: no cast."""
-    if precision == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
-    return MixedPrecisionPolicy()
-
-
 class Shards(Replicas):
     """How FSDP holds the model; the worker loop calls it as it calls ``Replicas``."""
 
@@ -177,7 +146,7 @@ class Shards(Replicas):
         options = {
             "mesh": self.mesh(device),
             "reshard_after_forward": self.reshard_after_forward,
-            "mp_policy": mixed_precision(precision),
+            "mp_policy": MixedPrecisionPolicy(**precision_dtypes(precision)),
         }
         for name in shard_units(model):
             fully_shard(model.get_submodule(name), **options)

@@ -25,10 +25,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ray_jobs.core.checkpoint import load_named_optimizer_state, named_optimizer_state
-from ray_jobs.data_parallel.sharding import mixed_precision, shard_units
+from ray_jobs.core.shard_plan import precision_dtypes, shard_units
 
 STAGE_SHARDINGS = ("none", "fsdp")  # --stage-sharding
 FULL = StateDictOptions(full_state_dict=True)
@@ -84,7 +84,11 @@ class Grid:
         optimizer after this). Not resharded after forward: every micro-batch's backward would
         gather the weights again (torchtitan's choice for pipelined FSDP)."""
         mesh = DeviceMesh.from_group(self.replicas, device.type)
-        options = {"mesh": mesh, "reshard_after_forward": False, "mp_policy": mixed_precision(precision)}
+        options = {
+            "mesh": mesh,
+            "reshard_after_forward": False,
+            "mp_policy": MixedPrecisionPolicy(**precision_dtypes(precision)),
+        }
         for name in shard_units(module):
             fully_shard(module.get_submodule(name), **options)
         fully_shard(module, **options)

@@ -151,7 +151,10 @@ def test_ddp_job_strict_spread_and_reference_weights(client, regression_data, tm
     assert_same_weights(load_weights(str(tmp_path / cfg.name)), reference_for(cfg)[0])
 
 
-def test_pipeline_job_strict_spread_puts_stages_on_different_nodes(client, regression_data, tmp_path):
+def test_a_pipeline_grid_job_keeps_each_stages_copies_on_one_node(client, regression_data, tmp_path):
+    """--data-parallel 2 x 2 stages with the default PACK on two nodes of 2 CPUs: a stage's two
+    copies (their gradient all-reduce) share a node, the stages' hops cross nodes over p2p, and
+    the run ends on the single-process weights."""
     cfg = TrainConfig(
         model="seed-split",
         hidden=8,
@@ -167,12 +170,14 @@ def test_pipeline_job_strict_spread_puts_stages_on_different_nodes(client, regre
         "ray_jobs.pipeline",
         "--num-stages",
         "2",
+        "--data-parallel",
+        "2",
         "--num-microbatches",
-        "4",
-        "--placement-strategy",
-        "STRICT_SPREAD",
+        "2",
         *flags(cfg),
     )
     record = summary(cfg)
-    assert len(set(record["stage_nodes"])) == 2 and record["transport"] == "p2p_gloo"  # auto works across nodes
+    nodes = record["stage_nodes"]  # rank order: replica 0's stages 0 and 1, then replica 1's
+    assert nodes[0] == nodes[2] and nodes[1] == nodes[3] and nodes[0] != nodes[1], nodes
+    assert record["transport"] == "p2p_gloo"  # auto works across nodes
     assert_same_weights(load_weights(str(tmp_path / cfg.name)), reference_for(cfg)[0])

@@ -74,6 +74,8 @@ def test_the_smoke_suite_runs_every_case_end_to_end(ray_cluster, tmp_path):
         worker["optimizer"] > 0 for side in sharding["model_state_bytes"].values() for worker in side
     )  # AdamW's moments counted
     assert sharding["activations"]["checkpointed"]["saved_bytes"] < sharding["activations"]["plain"]["saved_bytes"]
+    layouts = {row["layout"].split(" (")[0]: row for row in results["comm_model"]["models"][1]["layouts"]}
+    assert layouts["HSDP"]["inter_bytes"] < layouts["DDP"]["inter_bytes"]  # the model's point, computed
     accum = results["accumulation"]
     assert [run["grad_accum_steps"] for run in accum["runs"]] == [1, 4]
     k1, k4 = accum["runs"]

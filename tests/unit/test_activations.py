@@ -9,8 +9,8 @@ from torch import nn
 
 from models import build_model
 from ray_jobs.core.activations import HeldForBackward, checkpoint_activations
+from ray_jobs.core.shard_plan import shard_units
 from ray_jobs.core.step import train_step
-from ray_jobs.data_parallel.sharding import shard_units
 
 FLOAT = 4  # bytes
 

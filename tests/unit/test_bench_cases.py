@@ -5,6 +5,7 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
+import pytest
 import torch
 
 from ray_jobs.bench.cases.accumulation import ACCUM_STEPS, step_saved_bytes
@@ -83,3 +84,27 @@ def test_lm_figures_are_tokens_per_second_and_their_ratios():
     assert gpipe["speedup_vs_sequential"]["median"] == 70.0 / 40.0
     assert gpipe["speedup_vs_single_process"]["median"] == 70.0 / 50.0
     assert per_token(stats([2.0, 3.0]), 4) == stats([8.0, 12.0])
+
+
+def test_the_communication_model_counts_ring_bytes_by_where_each_link_runs():
+    from ray_jobs.bench.cases.comm_model import MODELS, comm_model_case, layouts
+    from ray_jobs.bench.report_comm_model import comm_model_section
+
+    small, large = MODELS
+    rows = {row["layout"].split(" (")[0]: row for row in layouts(large)}
+    grads = large.parameters * 4
+    # DDP: a ring all-reduce of the fp32 gradients over 16 ranks crosses between the 2 nodes on 2 edges.
+    assert rows["DDP"]["inter_bytes"] == pytest.approx(2 * 2 * 15 / 16 * grads)
+    assert rows["DDP"]["intra_bytes"] + rows["DDP"]["inter_bytes"] == pytest.approx(16 * 2 * 15 / 16 * grads)
+    # fsdp: two bf16 all-gathers and one fp32 reduce-scatter move what DDP's all-reduce moves.
+    assert rows["fsdp"]["intra_bytes"] + rows["fsdp"]["inter_bytes"] == pytest.approx(
+        rows["DDP"]["intra_bytes"] + rows["DDP"]["inter_bytes"]
+    )
+    # HSDP: only each shard's all-reduce across the two nodes leaves a node: 8 pairs, each rank sending its shard.
+    assert rows["HSDP"]["inter_bytes"] == pytest.approx(8 * 2 * grads / 8)
+    # Data innermost: a stage's copies reduce on their node; only the activations cross.
+    assert rows["DP x PP"]["inter_bytes"] == rows["FSDP x PP"]["inter_bytes"] == rows["PP"]["inter_bytes"]
+    assert rows["DP x PP"]["bubble"] == pytest.approx(1 / 9) and rows["DDP"]["bubble"] == 0
+    assert {row["layout"].split(" (")[0]: row for row in layouts(small)}["PP"]["inter_bytes"] is None  # 12 layers
+    section = "\n".join(comm_model_section(comm_model_case()))
+    assert "GPT-2 1.5B" in section and "| DDP (16 replicas)" in section

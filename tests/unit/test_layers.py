@@ -40,6 +40,7 @@ WORKER_SIDE = [
     "ray_jobs.data_parallel.wrap",
     "ray_jobs.data_parallel.sharding",
     "ray_jobs.pipeline.stage",
+    "ray_jobs.pipeline.replicas",
     "ray_jobs.data.stream",
     "ray_jobs.data.stream_plan",
 ]

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ray_jobs.bench.cases.accumulation import accumulation_case
+from ray_jobs.bench.cases.comm_model import comm_model_case
 from ray_jobs.bench.cases.common import Bench
 from ray_jobs.bench.cases.data_parallel import data_parallel_cases
 from ray_jobs.bench.cases.gpu import GPU_CASES
@@ -31,6 +32,7 @@ CASES: dict[str, Callable[[Bench, dict[str, Any]], dict[str, Any]]] = {
     "lm": lm_case,
     "sharding": sharding_case,
     "pretrained": pretrained_case,
+    "comm_model": comm_model_case,  # computed: measures nothing
     **GPU_CASES,  # --suite gpu's
 }
 
