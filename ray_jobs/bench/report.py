@@ -7,10 +7,12 @@ import statistics
 from typing import Any
 
 from ray_jobs.bench.report_accumulation import accumulation_section
+from ray_jobs.bench.report_checkpoint import checkpoint_section
 from ray_jobs.bench.report_comm_model import comm_model_section
 from ray_jobs.bench.report_data_parallel import ddp_sections, dp_vs_ddp_section
 from ray_jobs.bench.report_gpu import gpu_sections
 from ray_jobs.bench.report_ingest import ingest_section
+from ray_jobs.bench.report_layouts import layouts_section
 from ray_jobs.bench.report_lm import lm_section
 from ray_jobs.bench.report_pipeline import pipeline_section
 from ray_jobs.bench.report_pretrained import pretrained_section
@@ -37,6 +39,8 @@ def render(results: dict[str, Any]) -> str:
             + lm_section(results.get("lm"))
             + sharding_section(results.get("sharding"))
             + pretrained_section(results.get("pretrained"))
+            + layouts_section(results.get("layouts"))
+            + checkpoint_section(results.get("checkpoint"))
             + comm_model_section(results.get("comm_model"))
             + gpu_sections(results)
             + _targets(results)

@@ -149,6 +149,11 @@ class Suite:
     fp32), written locally from its config: each worker's memory at start, ddp against fsdp. None:
     not run (the smoke suite: a tiny checkpoint shows nothing of memory)."""
     """The sharding case's GPT: activation memory with and without --activation-checkpointing."""
+    checkpoint: Workload | None = Workload(
+        "mlp", 2048, 8, rows=64, in_features=8, out_features=8, batch_size=32, epochs=4
+    )
+    """The checkpoint case's model: its training state (weights and SGD's momentum) past 200 MB, few
+    steps, a checkpoint each epoch, sync against async. None: not run."""
 
 
 SUITES: dict[str, Suite] = {
@@ -268,6 +273,7 @@ SUITES: dict[str, Suite] = {
         lm_repetitions=1,
         gpt=GPTShape(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, batch_size=4),
         pretrained=None,
+        checkpoint=Workload("mlp", 64, 3, rows=64, in_features=8, out_features=8, batch_size=32, epochs=3),
     ),
 }
 

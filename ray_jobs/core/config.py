@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from models import MODELS, is_user_model
 from ray_jobs.core.config_data import INGESTS, TASKS, DataFlags, IngestFlags
 from ray_jobs.core.config_model import RESERVED_OPTIONS, ModelFlags, parse_model_options, parse_option_value
-from ray_jobs.core.config_run import CheckpointFlags, PlacementFlags
+from ray_jobs.core.config_run import CHECKPOINT_MODES, CheckpointFlags, PlacementFlags
 from ray_jobs.core.config_training import OPTIMIZERS, PRECISIONS, TrainingFlags
 from ray_jobs.core.flags import (
     ADDRESS_HELP,
@@ -82,6 +82,7 @@ class TrainConfig(PlacementFlags, IngestFlags, CheckpointFlags, TrainingFlags, M
         for flag in ("shuffle_window_rows", "memory_ingest_limit_mb"):
             require(getattr(self, flag) > 0, flag, getattr(self, flag), "positive")
         require(self.checkpoint_every_steps >= 0, "checkpoint_every_steps", self.checkpoint_every_steps, "zero or more")
+        require_choice(self.checkpoint_mode, CHECKPOINT_MODES, "checkpoint_mode")
         if self.ingest == "stream" and self.data is None:
             raise ValueError("--ingest stream needs --data (the synthetic default is generated in memory)")
         require(self.num_classes is None or self.num_classes >= 2, "num_classes", self.num_classes, "at least 2")

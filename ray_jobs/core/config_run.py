@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from ray_jobs.core.flags import flag_doc
 
+CHECKPOINT_MODES = ("sync", "async")
+
 
 @dataclass
 class CheckpointFlags:
@@ -30,6 +32,16 @@ class CheckpointFlags:
         metadata=flag_doc(
             "also checkpoint every K global batches within an epoch (0: off); a resume restarts at that step",
             "checkpoints",
+        ),
+    )
+    checkpoint_mode: str = field(
+        default="sync",
+        metadata=flag_doc(
+            "sync: training waits while a checkpoint is written and uploaded; async: only while its state is "
+            "copied to host memory, then the write and upload run in the background, one at a time (a failed "
+            "one fails the run; the run ends once its last checkpoint is whole)",
+            "checkpoints",
+            choices=CHECKPOINT_MODES,
         ),
     )
     max_failures: int = field(

@@ -18,6 +18,7 @@ import math
 import os
 import socket
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
@@ -201,9 +202,16 @@ class Shards(Replicas):
         """``checkpoint.pt`` holds no tensors: they are in the shards (``write_shards``)."""
         return {}, {}
 
+    sharded = True
+
     def write_shards(
-        self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer, final: bool = False
-    ) -> bool:
+        self,
+        directory: str,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        final: bool = False,
+        in_background: bool = False,
+    ) -> bool | Future:
         """Every rank writes its own shards of the weights and the optimizer state (keyed by
         parameter name) into ``directory/shards``; world rank 0 also the ``.metadata``. The run's
         last checkpoint also gets ``weights/``: each rank's slices of the weights (a tied tensor
@@ -211,16 +219,25 @@ class Shards(Replicas):
         and ``model.pt`` without any process gathering the whole model. Ray Train uploads every
         rank's directory into the one checkpoint directory."""
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        dcp.save(
-            {"model": model_state, "optimizer": optimizer_state},
-            storage_writer=dcp.FileSystemWriter(os.path.join(directory, SHARDS_DIR)),
-        )
+        state = {"model": model_state, "optimizer": optimizer_state}
+        writer = dcp.FileSystemWriter(os.path.join(directory, SHARDS_DIR))
+        if in_background and not final:
+            # Staged to host memory here; written in a thread over a gloo group of its own, whose
+            # collectives never interleave with the training's.
+            return dcp.async_save(state, storage_writer=writer, process_group=self._background_group())
+        dcp.save(state, storage_writer=writer)
         if final:
             dcp.save(
                 _once(model_state),
                 storage_writer=HuggingFaceStorageWriter(os.path.join(directory, WEIGHTS_DIR), save_distributed=True),
             )
         return True
+
+    def _background_group(self) -> dist.ProcessGroup:
+        """The background writes' own group (made once, by every rank at its first async save)."""
+        if getattr(self, "_writes_group", None) is None:
+            self._writes_group = dist.new_group(backend="gloo")
+        return self._writes_group
 
     def restore(self, directory, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> None:
         """Sharded checkpoints are read resharded to this worker count; a full one (another

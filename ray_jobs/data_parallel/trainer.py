@@ -137,6 +137,7 @@ def _fit(prepared: PreparedRun, scaling: WorkerScaling, wrap, reader, faults: Fa
             "worker_peak_rss_bytes",
             "worker_startup_rss_bytes",
             "worker_model_state_bytes",
+            "checkpoint_stall_s",
         )
     }
     # The attempts whose work is in the model, as its last checkpoint recorded them.

@@ -7,8 +7,8 @@ of each global batch this worker takes (its world rank).
 
 from __future__ import annotations
 
+import functools
 import logging
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +31,6 @@ from ray_jobs.core.checkpoint import (
     resume_rng,
     rng_state,
     saved_rng,
-    write_checkpoint,
 )
 from ray_jobs.core.config import TrainConfig
 from ray_jobs.core.evaluation import Validation, combine, is_best, progress, write_best_model
@@ -50,6 +49,7 @@ from ray_jobs.core.step import (
 from ray_jobs.data import storage
 from ray_jobs.data.device_copy import prefetched
 from ray_jobs.data.stream import epoch_indices, open_source
+from ray_jobs.data_parallel.checkpointing import CheckpointSaver, report
 from ray_jobs.data_parallel.wrap import Replicas
 from ray_jobs.errors import described
 from ray_jobs.observability.model_memory import model_state_bytes
@@ -164,6 +164,8 @@ class _Worker:
         self.val_losses = list(start.val_losses) if start else []
         self.val_accuracy = list(start.val_accuracy) if start else []
         self.num_samples, self.epoch_seconds, self.epoch_steal = 0, [], []
+        upload = functools.partial(loop.faults.checkpoint_upload, world_rank=self.world_rank, resumed=self.resumed)
+        self.saver = CheckpointSaver(cfg.checkpoint_mode, self.world_rank, upload)
         self.log = TrainLog(loop.run_dir) if self.world_rank == 0 else None  # TensorBoard: world rank 0's
         mine = (ray.get_runtime_context().get_node_id(), ctx.get_node_rank())
         nodes, node_ranks = (list(column) for column in zip(*_gather(mine, self.world_size)))
@@ -267,7 +269,7 @@ class _Worker:
         if (epoch + 1) % cfg.checkpoint_every == 0 or epoch + 1 == cfg.epochs:
             self.checkpoint(epoch + 1, 0, [])
         else:
-            _report(self.report)
+            report(self.report)
 
     def validate(self) -> Validation | None:
         """``--val-data`` with the weights after this epoch: each rank takes its chunks, the chunks'
@@ -289,32 +291,43 @@ class _Worker:
     def checkpoint(self, epochs_completed: int, step: int, step_losses: list[float]) -> None:
         """Report with a checkpoint (every rank calls it: the RNG states are gathered, a sharded
         model's state too, and a report is a barrier); world rank 0 writes ``checkpoint.pt``, and
-        with a sharded model every rank writes its shards beside it."""
+        with a sharded model every rank writes its shards beside it; at once or in the background
+        (``--checkpoint-mode``, ``checkpointing.CheckpointSaver``)."""
+        began = time.perf_counter()
         rngs = _gather(rng_state(), self.world_size)
         final = (epochs_completed, step) == (self.cfg.epochs, 0)
-        # No copy: the checkpoint is written before the next step changes these tensors.
-        weights, optimizer = self.loop.wrap.checkpoint_state(self.model, self.optimizer, final)
-        with tempfile.TemporaryDirectory(prefix="raypar-ckpt-") as directory:
-            sharded = self.loop.wrap.write_shards(directory, self.model, self.optimizer, final)
-            if self.world_rank == 0:
-                state = TrainState(
-                    weights,
-                    optimizer,
-                    epochs_completed,
-                    list(self.losses),
-                    rngs,
-                    step,
-                    step_losses,
-                    world_sizes=self.report["world_sizes"],
-                    scaler=self.scaler.state_dict() if self.scaler else None,
-                    val_losses=list(self.val_losses),
-                    val_accuracy=list(self.val_accuracy),
-                    sharded=sharded,
-                    weights_sliced=sharded and final,
-                )
-                write_checkpoint(directory, state)
-            attached = directory if self.world_rank == 0 or sharded else None
-            _report({**self.report, "step": step}, attached, checkpoint_name(epochs_completed, step))
+
+        def state() -> TrainState:
+            # No copy in sync mode: the checkpoint is written before the next step changes these tensors.
+            weights, optimizer = self.loop.wrap.checkpoint_state(self.model, self.optimizer, final)
+            return TrainState(
+                weights,
+                optimizer,
+                epochs_completed,
+                list(self.losses),
+                rngs,
+                step,
+                step_losses,
+                world_sizes=self.report["world_sizes"],
+                scaler=self.scaler.state_dict() if self.scaler else None,
+                val_losses=list(self.val_losses),
+                val_accuracy=list(self.val_accuracy),
+                sharded=self.loop.wrap.sharded,
+                weights_sliced=self.loop.wrap.sharded and final,
+            )
+
+        def shards(directory: str, in_background: bool):
+            return self.loop.wrap.write_shards(directory, self.model, self.optimizer, final, in_background)
+
+        metrics = {**self.report, "step": step, "checkpoint_stall_s": list(self.saver.stalls_s)}
+        self.saver.save(
+            checkpoint_name(epochs_completed, step),
+            metrics,
+            state if self.world_rank == 0 else None,
+            shards,
+            final,
+            began,
+        )
 
 
 def _restore(
@@ -334,16 +347,6 @@ def _restore(
     restore_scaler(scaler, state)
     resume_rng(saved_rng(state, world_rank, world_size), seed, world_rank, state.epochs_completed)
     return state
-
-
-def _report(metrics: dict[str, Any], directory: str | None = None, name: str | None = None) -> None:
-    """Every rank reports (it is a barrier); the ranks with a checkpoint ``directory`` attach it,
-    and Ray Train uploads each into the one checkpoint directory ``name``."""
-    if directory is None:
-        ray.train.report(metrics)
-        return
-    # Named by progress: resume and model.pt take the checkpoint with the most work done.
-    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory), checkpoint_dir_name=name)
 
 
 def _mean_over_workers(value: torch.Tensor, world_size: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import ray.train.torch
 import torch
@@ -53,10 +54,19 @@ class Replicas:
             return {}, {}
         return self.weights(model), named_optimizer_state(optimizer, dict(model.named_parameters()))
 
+    sharded = False
+    """Whether each rank writes its own part of a checkpoint (``write_shards``)."""
+
     def write_shards(
-        self, directory: str, model: nn.Module, optimizer: torch.optim.Optimizer, final: bool = False
-    ) -> bool:
-        """Write this rank's part of the state into ``directory``; whether there was one.
+        self,
+        directory: str,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        final: bool = False,
+        in_background: bool = False,
+    ) -> bool | Future:
+        """Write this rank's part of the state into ``directory``; whether there was one, or, with
+        ``in_background``, the future of the write (its state already copied off the model).
         ``final``: the run's last checkpoint."""
         return False
 

@@ -58,6 +58,7 @@ GROWABLE = ("epochs",)
 OPERATIONAL = (
     "checkpoint_every",
     "checkpoint_every_steps",
+    "checkpoint_mode",  # when the bytes reach storage, not which
     "num_checkpoints_to_keep",
     "storage_path",
     "name",

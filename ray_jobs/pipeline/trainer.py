@@ -48,6 +48,7 @@ from ray_jobs.driver.summary import TrainSummary
 from ray_jobs.errors import TrainingFailed, root_cause
 from ray_jobs.observability.tensorboard import TrainLog
 from ray_jobs.observability.throughput import throughput_text
+from ray_jobs.pipeline.checkpoint_writer import CheckpointWriter, snapshot
 from ray_jobs.pipeline.scaling import PipelineScaling
 from ray_jobs.pipeline.stage_group import StageGroup, StartFailed
 from ray_jobs.pipeline.timing import PipelineTiming
@@ -109,6 +110,8 @@ class Attempt:
     resumed_from_step: int | None
     timing: PipelineTiming
     log: TrainLog
+    writer: CheckpointWriter
+    """The run's checkpoint writes (one for every attempt: a restart waits for the last)."""
     grad_norms: list[float] = field(default_factory=list)
     """``--grad-clip-norm``: this attempt's whole-model norm before clipping, per step."""
 
@@ -132,7 +135,7 @@ def _epoch(
             raise TrainingFailed(failure)
         if end < len(batches):
             state.step, state.step_losses = end, list(losses)
-            _checkpoint(stages, prepared, state)
+            _checkpoint(stages, prepared, attempt)
     seconds = time.perf_counter() - began
     attempt.timing.add_epoch(seconds, new * cfg.batch_size, stages.take_timing())
     norms = stages.take_grad_norms() if cfg.grad_clip_norm is not None else None
@@ -150,7 +153,7 @@ def _epoch(
         epoch, losses, state.losses[-1], validation, new * cfg.batch_size / seconds, step_lrs[-1], step_lrs, norms
     )
     if state.epochs_completed % cfg.checkpoint_every == 0 or state.epochs_completed == cfg.epochs:
-        _checkpoint(stages, prepared, state, gathered=validation is not None)
+        _checkpoint(stages, prepared, attempt, gathered=validation is not None)
 
 
 def _validate(stages: StageGroup, prepared: PreparedRun, state: TrainState) -> Validation | None:
@@ -175,15 +178,23 @@ def _segments(first: int, total: int, every: int) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:]))
 
 
-def _checkpoint(stages: StageGroup, prepared: PreparedRun, state: TrainState, gathered: bool = False) -> None:
-    """``gathered``: ``state`` already holds the stages' state as of now."""
+def _checkpoint(stages: StageGroup, prepared: PreparedRun, attempt: Attempt, gathered: bool = False) -> None:
+    """Gather the stages' state and write it, at once or in the background (``--checkpoint-mode``);
+    ``gathered``: ``attempt.state`` already holds the stages' state as of now."""
+    began, state, cfg = time.perf_counter(), attempt.state, prepared.cfg
     if not gathered:
         state.model, state.optimizer, state.rng, state.scaler = stages.gather_state()
-    write_checkpoint(storage.join(prepared.run_dir, checkpoint_name(state.epochs_completed, state.step)), state)
-    prune_checkpoints(prepared.run_dir, prepared.cfg.num_checkpoints_to_keep)
+    name, saved = checkpoint_name(state.epochs_completed, state.step), snapshot(state)
+
+    def write() -> None:
+        write_checkpoint(storage.join(prepared.run_dir, name), saved)
+        prune_checkpoints(prepared.run_dir, cfg.num_checkpoints_to_keep)
+
+    attempt.writer.write(name, write, final=state.progress == (cfg.epochs, 0), began=began)
 
 
-def _start_attempt(stages: StageGroup, prepared: PreparedRun, num_stages: int) -> Attempt:
+def _start_attempt(stages: StageGroup, prepared: PreparedRun, num_stages: int, writer: CheckpointWriter) -> Attempt:
+    writer.wait()  # the last attempt's last checkpoint, whole before the resume looks
     checkpoint = latest_checkpoint(prepared.run_dir)
     if checkpoint is None:
         return Attempt(
@@ -192,12 +203,18 @@ def _start_attempt(stages: StageGroup, prepared: PreparedRun, num_stages: int) -
             None,
             PipelineTiming(num_stages),
             TrainLog(prepared.run_dir),
+            writer,
         )
     stages.restore(checkpoint)
     at = f"epoch {checkpoint.epochs_completed}" + (f", step {checkpoint.step}" if checkpoint.step else "")
     print(f"[raypar] resuming from the checkpoint after {at}", flush=True)
     return Attempt(
-        checkpoint, checkpoint.epochs_completed, checkpoint.step, PipelineTiming(num_stages), TrainLog(prepared.run_dir)
+        checkpoint,
+        checkpoint.epochs_completed,
+        checkpoint.step,
+        PipelineTiming(num_stages),
+        TrainLog(prepared.run_dir),
+        writer,
     )
 
 
@@ -225,8 +242,18 @@ def run(prepared: PreparedRun, scaling: PipelineScaling, faults: Faults = NO_FAU
 
 
 def _attempts(prepared: PreparedRun, scaling: PipelineScaling, reader, faults: Faults = NO_FAULTS) -> TrainSummary:
-    cfg = prepared.cfg
     cut = scaling.cut(prepared)
+    writer = CheckpointWriter(prepared.cfg.checkpoint_mode)
+    try:
+        return _attempts_writing(prepared, scaling, reader, faults, cut, writer)
+    finally:
+        writer.close()
+
+
+def _attempts_writing(
+    prepared: PreparedRun, scaling: PipelineScaling, reader, faults: Faults, cut, writer: CheckpointWriter
+) -> TrainSummary:
+    cfg = prepared.cfg
     for failures in range(cfg.max_failures + 1):
         stages = None
         try:
@@ -237,7 +264,7 @@ def _attempts(prepared: PreparedRun, scaling: PipelineScaling, reader, faults: F
                 reader,
                 on_started=functools.partial(faults.stages_started, first_attempt=failures == 0),
             )
-            attempt = _start_attempt(stages, prepared, scaling.num_stages)
+            attempt = _start_attempt(stages, prepared, scaling.num_stages, writer)
             while attempt.state.epochs_completed < cfg.epochs:
                 _epoch(stages, prepared, attempt, scaling, faults)
             return _finish(prepared, scaling, stages, attempt, reader)
@@ -264,6 +291,7 @@ def _finish(
         "schedule": scaling.schedule,
         "num_stages": scaling.num_stages,
         "data_parallel": scaling.data_parallel,
+        "checkpoint_stall_s": list(attempt.writer.stalls_s),
         "stage_model_state_bytes": stages.model_state_bytes(),  # rank order: replica by replica
         "num_microbatches": scaling.num_microbatches,
         **attempt.timing.report(scaling.schedule, scaling.num_stages, scaling.num_microbatches),

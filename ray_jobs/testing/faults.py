@@ -34,6 +34,9 @@ class Faults:
     fail_at_epoch: int | None = None
     """An error is raised during this epoch (data-parallel: by the last world rank; pipeline: by
     the last stage's next forward), as a bug or a bad input would."""
+    crash_in_upload: str | None = None
+    """``--checkpoint-mode async``: world rank 0 dies in the background upload of the checkpoint of
+    this directory name, before it reaches storage, while training goes on."""
     holds: tuple[tuple[int, str], ...] = ()
     """``(epoch, path)`` pairs: an attempt that reaches that epoch's start by training (not by
     resuming there), after the previous epoch's checkpoint, says so in ``<path>.waiting`` and
@@ -46,6 +49,11 @@ class Faults:
                 hold(path)
         if self.fail_at_epoch == epoch and world_rank == world_size - 1:
             raise RuntimeError("injected fault")
+
+    def checkpoint_upload(self, name: str, world_rank: int, resumed: bool) -> None:
+        """In a worker's background upload of checkpoint ``name``, before it reaches storage."""
+        if world_rank == 0 and name == self.crash_in_upload and not resumed:
+            _exit_now()
 
     def worker_step_done(self, epoch: int, step: int, resumed_run: bool, world_rank: int) -> None:
         """``step``: 1-based, the global batches of ``epoch`` done so far."""

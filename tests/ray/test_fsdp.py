@@ -172,8 +172,9 @@ def test_activation_checkpointing_trains_the_reference_weights(ray_cluster, tmp_
 
 def test_fsdp_trains_the_gpt_language_model_with_checkpointed_blocks(ray_cluster, tmp_path):
     """The GPT's blocks each an FSDP group (embed and head too), every block recomputed in
-    backward, 2 workers: the single-process reference's weights. SGD: AdamW's normalisation
-    would amplify the float-order noise of a transformer's reductions past the tolerance."""
+    backward, on 4 workers as HSDP (2 groups of 2 shards, a cosine schedule and a clip): the
+    single-process reference's weights. SGD: AdamW's normalisation would amplify the float-order
+    noise of a transformer's reductions past the tolerance."""
     import pyarrow as pa
 
     from ray_jobs.data.parquet import write_table
@@ -192,7 +193,11 @@ def test_fsdp_trains_the_gpt_language_model_with_checkpointed_blocks(ray_cluster
         lr=0.1,
         momentum=0.9,
         activation_checkpointing=True,
+        lr_schedule="cosine",
+        warmup_steps=2,
+        grad_clip_norm=1.0,
         storage_path=str(tmp_path),
         name="run",
     )
-    assert_trains_the_reference(run_strategy("fsdp", cfg, 2), cfg)
+    scaling = ShardedScaling(num_workers=4, shard_group_size=2, cpus_per_worker=0.5)
+    assert_trains_the_reference(run_strategy("fsdp", cfg, scaling=scaling), cfg)

@@ -172,47 +172,66 @@ def test_a_stage_that_stops_answering_is_one_line_not_a_hang(ray_cluster):
     ray.cancel(ref, force=True)
 
 
-# (model, schedule, the first run's --stage-sharding, the resumed run's grid or None: no failure)
+# case: (model, schedule, --stage-sharding, what befalls the run in its second epoch, the grid it
+# resumes on): each model sees both schedules, replicated and sharded.
 GRIDS = {
-    "mlp-stream-resumed-on-1": ("mlp", "gpipe", "none", {"data_parallel": 1}),
-    "gpt": ("gpt", "1f1b", "none", None),
-    "gpt-sharded-resumed": ("gpt", "1f1b", "fsdp", {"data_parallel": 2, "stage_sharding": "fsdp"}),
+    "mlp-stream-fails-resumes-on-1": ("mlp", "gpipe", "none", "fail", {"data_parallel": 1}),
+    "mlp-sharded": ("mlp", "1f1b", "fsdp", None, None),
+    "gpt-loses-an-actor": ("gpt", "1f1b", "none", "crash", None),
+    "gpt-sharded-fails-resumes": ("gpt", "gpipe", "fsdp", "fail", {"data_parallel": 2, "stage_sharding": "fsdp"}),
 }
 
 
 @pytest.mark.parametrize("case", sorted(GRIDS))
-def test_replicas_of_the_pipeline_train_the_single_process_weights(ray_cluster, stream_cfg, tokens, tmp_path, case):
+def test_replicas_of_the_pipeline_train_the_single_process_weights(
+    ray_cluster, stream_cfg, regression_data, tokens, tmp_path, case
+):
     """--data-parallel 2 x 2 stages (DP x PP), with a cosine schedule and a global-norm clip: each
     replica takes half of every global batch, each stage averages its gradients with its copy (or,
     sharded, reduce-scatters them: FSDP x PP), and the clip sees the whole model's norm after the
-    average. The mlp streams its rows; the gpt checkpoints its blocks' activations. Failed in the
-    second epoch, a run resumes from epoch 1's checkpoint on another grid (R = 1) or the same one
-    (sharded: the checkpoint gathered from shards, restored into them)."""
-    model, schedule, sharding, resumed = GRIDS[case]
+    average. The streamed mlp fails in its second epoch and resumes on one replica; a lost actor
+    restarts the grid from epoch 1's checkpoint (written in the background); the sharded gpt fails
+    and resumes sharded (the checkpoint gathered from shards, restored into them). The gpt
+    checkpoints its blocks' activations."""
+    model, schedule, sharding, fault, resumed = GRIDS[case]
     if model == "gpt":
         cfg = lm_config(tokens, tmp_path, epochs=2, activation_checkpointing=True)
     else:
+        data = {} if sharding == "none" else {"data": regression_data, "ingest": "memory"}
         cfg = with_(
-            stream_cfg, model="mlp", hidden=12, depth=3, lr_schedule="cosine", warmup_steps=2, grad_clip_norm=1.0
+            stream_cfg,
+            model="mlp",
+            hidden=12,
+            depth=3,
+            lr_schedule="cosine",
+            warmup_steps=2,
+            grad_clip_norm=1.0,
+            **data,
         )
     grid = {"num_stages": 2, "num_microbatches": 2, "schedule": schedule, "cpus_per_stage": 0.5}
     first = PipelineScaling(**grid, data_parallel=2, stage_sharding=sharding)
-    if resumed is None:
-        summary = run_strategy("pipeline", cfg, scaling=first)
-    else:
+    if fault == "fail":
         with pytest.raises(TrainingFailed):
             run_strategy("pipeline", cfg, scaling=first, fail_at_epoch=1)  # after epoch 1's checkpoint
         summary = run_strategy("pipeline", cfg, scaling=PipelineScaling(**grid, **resumed))
-        assert summary.resumed_from_epoch == 1
+    elif fault == "crash":  # replica 1's last stage dies; the grid restarts itself, its checkpoints written
+        # in the background (a restart first waits for the write in flight)
+        background = with_(cfg, max_failures=1, checkpoint_mode="async", checkpoint_every_steps=3)
+        summary = run_strategy("pipeline", background, scaling=first, crash_at_epoch=1)
+        assert len(summary.extra["checkpoint_stall_s"]) == 4  # each attempt's epoch: at step 3 and at its end
+    else:
+        summary = run_strategy("pipeline", cfg, scaling=first)
+    assert summary.resumed_from_epoch == (1 if fault else None)
     # Tolerance: assert_same_weights'; each replica's micro-batch gradients are summed, then
     # averaged over the replicas (a gloo all-reduce or reduce-scatter): float32 rounding, another
     # order per step.
     assert_trains_the_reference(summary, cfg)
     record = json.loads(open(f"{summary.run_dir}/summary.json").read())
     replicas = (resumed or {"data_parallel": 2})["data_parallel"]
+    sharded = (resumed or {"stage_sharding": sharding}).get("stage_sharding") == "fsdp"
     assert (record["world_size"], record["data_parallel"]) == (2 * replicas, replicas)
     assert len(record["stage_nodes"]) == 2 * replicas
     held = sum(part["parameters"] for part in summary.extra["stage_model_state_bytes"][:2])  # one replica's
     whole = sum(p.numel() * 4 for p in load_weights(summary.run_dir).values())
     # Sharded: half of each tensor (one of a single row is padded to a row on each copy).
-    assert 0.4 <= held / whole <= 0.6 if resumed and resumed.get("stage_sharding") else held == whole
+    assert 0.4 <= held / whole <= 0.6 if sharded else held == whole

@@ -6,7 +6,14 @@ import pytest
 
 from ray_jobs.core.config import TrainConfig
 from ray_jobs.errors import TrainingFailed
-from tests.helpers import assert_same_weights, load_weights, reference_for, run_strategy, with_
+from tests.helpers import (
+    assert_same_weights,
+    assert_trains_the_reference,
+    load_weights,
+    reference_for,
+    run_strategy,
+    with_,
+)
 
 pytestmark = pytest.mark.ray
 
@@ -89,3 +96,20 @@ def test_outputs_a_shorter_run_left_are_written_anew_from_the_newest_checkpoint(
     assert summary.epochs_completed == 3 and summary.resumed_from_epoch == 3
     assert json.loads((run_dir / "summary.json").read_text())["epochs_completed"] == 3
     assert_same_weights(load_weights(str(run_dir)), reference_for(cfg)[0])
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_worker_killed_in_a_background_upload_resumes_from_the_last_whole_checkpoint(
+    ray_cluster, cfg, tmp_path, strategy
+):
+    """--checkpoint-mode async: world rank 0 dies while its upload of epoch 2's checkpoint runs in
+    the background (training went on meanwhile). The restart resumes from epoch 1's checkpoint,
+    the newest whole one (epoch 2's never reached storage; fsdp's other rank's shards may have),
+    and ends on the single-process weights; the loop was held only for each copy."""
+    from ray_jobs.core.checkpoint import checkpoint_name
+
+    background = with_(cfg, checkpoint_mode="async", max_failures=1)
+    summary = run_strategy(strategy, background, num_workers=2, crash_in_upload=checkpoint_name(2))
+    assert summary.resumed_from_epoch == 1
+    assert_trains_the_reference(summary, background)
+    assert summary.extra["checkpoint_stall_s"]  # the restart's epoch-2 checkpoint, before the final

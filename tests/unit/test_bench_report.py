@@ -53,8 +53,8 @@ def test_render_reports_each_target_met_missed_or_not_run():
     results["targets"] = targets(results)
     text = render(results)
     assert re.search(r"\| ingest rows/s / DDP samples/s +\| >= 5x +\| +100.00 \| met +\|", text)
-    # the DDP, pipeline, streaming, lm, sharding and pretrained cases did not run
-    assert len(re.findall(r"\| not run +\|", text)) == 15
+    # the DDP, pipeline, streaming, lm, sharding, pretrained and checkpoint cases did not run
+    assert len(re.findall(r"\| not run +\|", text)) == 16
     assert "plots skipped: matplotlib not installed." in text
     assert "steal" not in text  # not measured: no claim either way
 
@@ -171,3 +171,21 @@ def test_the_sharding_section_shows_each_workers_model_state_and_judges_fsdp_aga
     assert re.search(r"\| FSDP model state per worker / DDP's +\| <= 1.1/N \(0.550\) +\| +0.50 \| met +\|", text)
     assert re.search(r"\| FSDP samples/s / DDP's +\| >= 0.8x +\| .* \| met +\|", text)
     assert "Checkpointing holds 0.125 of the activations" in text
+
+
+def test_the_layouts_section_puts_every_layout_beside_ddp():
+    from ray_jobs.bench.report_layouts import layouts_section
+
+    def figure(value: float) -> dict:
+        return {"median": value, "min": value, "max": value}
+
+    speeds = {"ddp": 1000.0, "hsdp": 800.0, "pipeline": 500.0, "dp_x_pp": 700.0, "fsdp_x_pp": 600.0}
+    case = {
+        "workload": {"n_layer": 2, "n_embd": 32, "block_size": 16, "batch_size": 16},
+        "processes": 4,
+        "num_microbatches": 4,
+        "tokens_per_second": {layout: figure(value) for layout, value in speeds.items()},
+        "over_ddp": {layout: figure(value / 1000) for layout, value in speeds.items()},
+    }
+    text = "\n".join(layouts_section(case))
+    assert "| DP x PP, 2 replicas x 2 stages" in text and "0.70" in text and "measure each layout's overhead" in text

@@ -252,3 +252,34 @@ def test_an_fsdp_checkpoint_lacking_a_rank_shard_is_skipped_before_any_load(tmp_
     assert latest_checkpoint(str(tmp_path)).epochs_completed == 1
     (warning,) = capsys.readouterr().err.strip().splitlines()
     assert warning.startswith(f"[raypar] warning: skipping checkpoint {tmp_path / checkpoint_name(2)}: {why}")
+
+
+def test_the_pipelines_background_writes_run_one_at_a_time_and_a_failure_names_its_checkpoint():
+    import threading
+
+    from ray_jobs.errors import TrainingFailed
+    from ray_jobs.pipeline.checkpoint_writer import CheckpointWriter, snapshot
+
+    writer, order, release = CheckpointWriter("async"), [], threading.Event()
+
+    def slow() -> None:
+        release.wait(10)
+        order.append("first")
+
+    writer.write("checkpoint_epoch_000001", slow, final=False, began=0.0)
+    assert order == []  # the loop went on while it wrote
+    release.set()
+    writer.write("checkpoint_epoch_000002", lambda: order.append("second"), final=False, began=0.0)
+    writer.write("checkpoint_epoch_000003", lambda: order.append("last"), final=True, began=0.0)
+    assert order == ["first", "second", "last"]  # each waited for the one before; the last in sync
+
+    def full() -> None:
+        raise OSError("No space left on device")
+
+    writer.write("checkpoint_epoch_000004", full, final=False, began=0.0)
+    with pytest.raises(TrainingFailed, match="^checkpoint checkpoint_epoch_000004: its write failed: .*No space left"):
+        writer.close()
+    state = TrainState({}, {}, 1, [0.5])
+    saved = snapshot(state)
+    state.losses.append(0.4)
+    assert saved.losses == [0.5]  # the loop's later appends are not in the checkpoint being written

@@ -189,3 +189,11 @@ def test_data_parallel_pipeline_grid_is_laid_out_stage_by_stage_and_refused_wher
     with pytest.raises(ValueError, match=r"--batch-size 12 must divide into --data-parallel 2 shares .* multiple of 8"):
         PipelineScaling(num_microbatches=4, data_parallel=2).check(TrainConfig(batch_size=12))
     PipelineScaling(num_microbatches=4, data_parallel=2).check(TrainConfig(batch_size=16))
+
+
+def test_checkpoint_mode_is_sync_or_async():
+    from ray_jobs.core.config import TrainConfig
+
+    assert TrainConfig().checkpoint_mode == "sync"
+    with pytest.raises(ValueError, match="--checkpoint-mode"):
+        TrainConfig(checkpoint_mode="later")

@@ -39,6 +39,7 @@ WORKER_SIDE = [
     "ray_jobs.data_parallel.worker",
     "ray_jobs.data_parallel.wrap",
     "ray_jobs.data_parallel.sharding",
+    "ray_jobs.data_parallel.checkpointing",
     "ray_jobs.pipeline.stage",
     "ray_jobs.pipeline.replicas",
     "ray_jobs.data.stream",

@@ -9,11 +9,13 @@ from collections.abc import Callable
 from typing import Any
 
 from ray_jobs.bench.cases.accumulation import accumulation_case
+from ray_jobs.bench.cases.checkpoint import checkpoint_case
 from ray_jobs.bench.cases.comm_model import comm_model_case
 from ray_jobs.bench.cases.common import Bench
 from ray_jobs.bench.cases.data_parallel import data_parallel_cases
 from ray_jobs.bench.cases.gpu import GPU_CASES
 from ray_jobs.bench.cases.ingest import ingest_case
+from ray_jobs.bench.cases.layouts import layouts_case
 from ray_jobs.bench.cases.lm import lm_case
 from ray_jobs.bench.cases.pipeline import pipeline_case
 from ray_jobs.bench.cases.pretrained import pretrained_case
@@ -32,6 +34,8 @@ CASES: dict[str, Callable[[Bench, dict[str, Any]], dict[str, Any]]] = {
     "lm": lm_case,
     "sharding": sharding_case,
     "pretrained": pretrained_case,
+    "layouts": layouts_case,
+    "checkpoint": checkpoint_case,
     "comm_model": comm_model_case,  # computed: measures nothing
     **GPU_CASES,  # --suite gpu's
 }
