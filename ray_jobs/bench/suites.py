@@ -150,10 +150,11 @@ class Suite:
     not run (the smoke suite: a tiny checkpoint shows nothing of memory)."""
     """The sharding case's GPT: activation memory with and without --activation-checkpointing."""
     checkpoint: Workload | None = Workload(
-        "mlp", 2048, 8, rows=64, in_features=8, out_features=8, batch_size=32, epochs=4
+        "mlp", 2048, 9, rows=1024, in_features=8, out_features=8, batch_size=32, epochs=4
     )
-    """The checkpoint case's model: its training state (weights and SGD's momentum) past 200 MB, few
-    steps, a checkpoint each epoch, sync against async. None: not run."""
+    """The checkpoint case's model: its training state (weights and SGD's momentum) past 200 MB, a
+    checkpoint each epoch, sync against async. An epoch (32 steps) outlasts an upload, as a real
+    run's checkpoint interval does: an async checkpoint waits for the last one's upload first."""
 
 
 SUITES: dict[str, Suite] = {

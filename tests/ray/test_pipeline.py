@@ -172,13 +172,19 @@ def test_a_stage_that_stops_answering_is_one_line_not_a_hang(ray_cluster):
     ray.cancel(ref, force=True)
 
 
-# case: (model, schedule, --stage-sharding, what befalls the run in its second epoch, the grid it
-# resumes on): each model sees both schedules, replicated and sharded.
+# case: (model, schedule, the first run's --data-parallel and --stage-sharding, what befalls it in
+# its second epoch, the grid it resumes on): each model sees both schedules, replicated and sharded.
 GRIDS = {
-    "mlp-stream-fails-resumes-on-1": ("mlp", "gpipe", "none", "fail", {"data_parallel": 1}),
-    "mlp-sharded": ("mlp", "1f1b", "fsdp", None, None),
-    "gpt-loses-an-actor": ("gpt", "1f1b", "none", "crash", None),
-    "gpt-sharded-fails-resumes": ("gpt", "gpipe", "fsdp", "fail", {"data_parallel": 2, "stage_sharding": "fsdp"}),
+    "mlp-stream-fails-resumes-on-1": ("mlp", "gpipe", (2, "none"), "fail", {"data_parallel": 1}),
+    "mlp-sharded": ("mlp", "1f1b", (2, "fsdp"), None, None),
+    "gpt-loses-an-actor": ("gpt", "1f1b", (2, "none"), "crash", None),
+    "gpt-on-1-fails-resumes-sharded": (
+        "gpt",
+        "gpipe",
+        (1, "none"),
+        "fail",
+        {"data_parallel": 2, "stage_sharding": "fsdp"},
+    ),
 }
 
 
@@ -190,10 +196,10 @@ def test_replicas_of_the_pipeline_train_the_single_process_weights(
     replica takes half of every global batch, each stage averages its gradients with its copy (or,
     sharded, reduce-scatters them: FSDP x PP), and the clip sees the whole model's norm after the
     average. The streamed mlp fails in its second epoch and resumes on one replica; a lost actor
-    restarts the grid from epoch 1's checkpoint (written in the background); the sharded gpt fails
-    and resumes sharded (the checkpoint gathered from shards, restored into them). The gpt
-    checkpoints its blocks' activations."""
-    model, schedule, sharding, fault, resumed = GRIDS[case]
+    restarts the grid from epoch 1's checkpoint (written in the background); a 1-D pipeline's
+    checkpoint resumes as 2 sharded copies (restored into their shards, gathered from them). The
+    gpt checkpoints its blocks' activations."""
+    model, schedule, (replicas, sharding), fault, resumed = GRIDS[case]
     if model == "gpt":
         cfg = lm_config(tokens, tmp_path, epochs=2, activation_checkpointing=True)
     else:
@@ -209,7 +215,7 @@ def test_replicas_of_the_pipeline_train_the_single_process_weights(
             **data,
         )
     grid = {"num_stages": 2, "num_microbatches": 2, "schedule": schedule, "cpus_per_stage": 0.5}
-    first = PipelineScaling(**grid, data_parallel=2, stage_sharding=sharding)
+    first = PipelineScaling(**grid, data_parallel=replicas, stage_sharding=sharding)
     if fault == "fail":
         with pytest.raises(TrainingFailed):
             run_strategy("pipeline", cfg, scaling=first, fail_at_epoch=1)  # after epoch 1's checkpoint
