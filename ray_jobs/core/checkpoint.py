@@ -181,11 +181,18 @@ def usable_checkpoints(run_dir: storage.Target) -> list[tuple[tuple[int, int], s
     return sorted(found, key=lambda item: item[0], reverse=True)
 
 
+# A zip archive ends with this record at least: a shorter file is cut short (and seeking back over
+# the record's size from its end is an error on pyarrow's files, not a BadZipFile).
+ZIP_END_RECORD_BYTES = 22
+
+
 def _whole(directory: storage.Target) -> bool:
     filesystem, path = storage.resolve(storage.join(directory, CHECKPOINT_FILE))
 
     def central_directory() -> bool:
         with filesystem.open_input_file(path) as file:
+            if file.size() < ZIP_END_RECORD_BYTES:  # an empty file (a full disk at its creation)
+                return False
             try:
                 zipfile.ZipFile(file)
             except zipfile.BadZipFile:

@@ -19,6 +19,7 @@ Runs in the worker; imports nothing that runs only on the driver.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
 import tempfile
 import threading
@@ -47,11 +48,17 @@ class CheckpointSaver:
         self.mode, self.world_rank, self.on_upload = mode, world_rank, on_upload
         self.stalls_s: list[float] = []
         self._last: threading.Event | None = None
+        self._failure: BaseException | None = None
+        if mode == "async":
+            _quiet_background_failures()
 
     def wait(self) -> None:
-        """Until the last background save is done (written, uploaded or failed)."""
+        """Until the last background save is done; its failure, raised here too: training stops at
+        the next checkpoint at the latest, not only when Ray Train next looks at the worker."""
         if self._last is not None:
             self._last.wait()
+        if self._failure is not None:
+            raise self._failure
 
     def background(self, final: bool) -> bool:
         """Whether this checkpoint goes in the background: async mode, and not the run's last."""
@@ -105,6 +112,9 @@ class CheckpointSaver:
                     if self.on_upload is not None:
                         self.on_upload(dir_name)  # the tests' fault seam
                     return storage_context.persist_current_checkpoint(checkpoint, dir_name)
+            except BaseException as error:
+                self._failure = error
+                raise
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
                 done.set()
@@ -116,6 +126,7 @@ class CheckpointSaver:
                 checkpoint_dir_name=name,
                 checkpoint_upload_mode=ray.train.CheckpointUploadMode.ASYNC,
                 checkpoint_upload_fn=upload,
+                delete_local_checkpoint_after_upload=False,  # ``upload`` removes it, failed or not
             )
         else:
             shutil.rmtree(directory, ignore_errors=True)
@@ -123,6 +134,22 @@ class CheckpointSaver:
             mode = ray.train.CheckpointUploadMode.ASYNC
             ray.train.report(metrics, checkpoint_dir_name=name, checkpoint_upload_mode=mode)
         self.stalls_s.append(time.perf_counter() - began)
+
+
+class _BackgroundFailure(logging.Filter):
+    """Ray Train logs a failed background upload with its traceback before it fails the worker
+    with the same error, which then reaches the terminal as the run's one ``error:`` line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "failed in the background thread" not in record.getMessage()
+
+
+def _quiet_background_failures() -> None:
+    from ray.train.v2._internal.execution import context
+
+    logger = logging.getLogger(context.__file__)  # Ray names this module's logger by its path
+    if not any(isinstance(existing, _BackgroundFailure) for existing in logger.filters):
+        logger.addFilter(_BackgroundFailure())
 
 
 def report(metrics: dict[str, Any], directory: str | None = None, name: str | None = None) -> None:

@@ -29,9 +29,13 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_full_disk_is_one_line_and_a_rerun_with_room_ends_on_the_reference(
-    ray_cluster, small_disk, regression_data, capsys
+    ray_cluster, small_disk, regression_data, capsys, mode
 ):
+    """async: the write that fails runs in Ray Train's upload thread while training goes on; the next
+    checkpoint stops it. Whichever write fails first (ours, or Ray Train's own registry file on the
+    same full disk) is the one line."""
     cfg = TrainConfig(
         model="mlp",
         hidden=400,
@@ -62,6 +66,8 @@ def test_a_full_disk_is_one_line_and_a_rerun_with_room_ends_on_the_reference(
         str(small_disk),
         "--name",
         "run",
+        "--checkpoint-mode",
+        mode,
     ]
     assert ddp.main(argv) == 1
     err = capsys.readouterr().err

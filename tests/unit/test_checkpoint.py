@@ -69,6 +69,8 @@ def test_a_checkpoint_cut_short_is_never_trusted(tmp_path):
     newest = write(tmp_path, checkpoint_name(3), 3)
     with open(newest, "r+b") as file:
         file.truncate(os.path.getsize(newest) // 2)
+    empty = write(tmp_path, checkpoint_name(4), 4)  # a disk full when the file was created
+    open(empty, "wb").close()
     restored = latest_checkpoint(str(tmp_path))
     assert restored.epochs_completed == 2 and torch.equal(restored.model["fc.weight"], torch.full((2, 2), 2.0))
 
