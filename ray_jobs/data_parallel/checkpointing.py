@@ -44,8 +44,8 @@ def host_copy(tree: Any) -> Any:
 class CheckpointSaver:
     """One worker's checkpoints; ``stalls_s`` holds how long each held the training loop."""
 
-    def __init__(self, mode: str, world_rank: int, on_upload: Callable[[str], None] | None = None) -> None:
-        self.mode, self.world_rank, self.on_upload = mode, world_rank, on_upload
+    def __init__(self, mode: str, on_upload: Callable[[str], None] | None = None) -> None:
+        self.mode, self.on_upload = mode, on_upload
         self.stalls_s: list[float] = []
         self._last: threading.Event | None = None
         self._failure: BaseException | None = None

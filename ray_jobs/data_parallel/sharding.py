@@ -131,6 +131,7 @@ class Shards(Replicas):
         super().__init__(lambda model, device, precision: model)
         self.reshard_after_forward, self.sync_batchnorm = reshard_after_forward, sync_batchnorm
         self.shard_group_size = shard_group_size
+        self._writes_group: dist.ProcessGroup | None = None  # --checkpoint-mode async's own, made at first use
 
     def wrap(self, model: nn.Module, device: torch.device, precision: str) -> nn.Module:
         """``fully_shard`` each ``shard_units`` child, then the root, over one mesh of every rank
@@ -235,7 +236,7 @@ class Shards(Replicas):
 
     def _background_group(self) -> dist.ProcessGroup:
         """The background writes' own group (made once, by every rank at its first async save)."""
-        if getattr(self, "_writes_group", None) is None:
+        if self._writes_group is None:
             self._writes_group = dist.new_group(backend="gloo")
         return self._writes_group
 

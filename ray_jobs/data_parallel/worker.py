@@ -165,7 +165,7 @@ class _Worker:
         self.val_accuracy = list(start.val_accuracy) if start else []
         self.num_samples, self.epoch_seconds, self.epoch_steal = 0, [], []
         upload = functools.partial(loop.faults.checkpoint_upload, world_rank=self.world_rank, resumed=self.resumed)
-        self.saver = CheckpointSaver(cfg.checkpoint_mode, self.world_rank, upload)
+        self.saver = CheckpointSaver(cfg.checkpoint_mode, upload)
         self.log = TrainLog(loop.run_dir) if self.world_rank == 0 else None  # TensorBoard: world rank 0's
         mine = (ray.get_runtime_context().get_node_id(), ctx.get_node_rank())
         nodes, node_ranks = (list(column) for column in zip(*_gather(mine, self.world_size)))

@@ -44,6 +44,11 @@ class Grid:
         self.pipeline: dist.ProcessGroup | None = None  # None: the default group, every stage when R is 1
         self.backend = "gloo"
 
+    @classmethod
+    def at_rank(cls, rank: int, num_stages: int, num_replicas: int = 1, sharding: str = "none") -> Grid:
+        """The actor of process-group rank ``rank`` (ranks run replica by replica)."""
+        return cls(rank % num_stages, num_stages, rank // num_stages, num_replicas, sharding)
+
     @property
     def rank(self) -> int:
         return self.rank_of(self.stage)

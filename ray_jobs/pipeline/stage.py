@@ -54,7 +54,7 @@ def _described(method):
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        with described(self.name, passing=(PeerLost,)):
+        with described(self.grid.name, passing=(PeerLost,)):
             return method(self, *args, **kwargs)
 
     return wrapper
@@ -89,7 +89,7 @@ class StageWorker:
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.num_microbatches = num_microbatches
         self.grid = grid or Grid(stage_index, num_stages)
-        self.name, self.cfg = self.grid.name, cfg
+        self.cfg = cfg  # the optimizer is built again over a sharded stage's shards
         stages = meta_stages(cfg, dataset, num_stages, model_factory, unit_costs)
         # What crosses each cut, per row: a receiver must know the shape before the bytes arrive.
         self.boundary_shapes = boundary_shapes(stages, dataset)
@@ -338,7 +338,7 @@ class StageWorker:
         try:
             return call(*args, **kwargs)
         except RuntimeError as error:
-            raise PeerLost(f"{self.name}: {str(error).splitlines()[0] if str(error) else error!r}") from None
+            raise PeerLost(f"{self.grid.name}: {str(error).splitlines()[0] if str(error) else error!r}") from None
         finally:
             self.timing[timing_key] += time.perf_counter() - began
 

@@ -78,7 +78,7 @@ class StageGroup:
                 rank,
                 prepared,
                 dataset,
-                {k: prepared.initial_state[k] for k in self.keys[self.stage_of(rank)]},
+                {k: prepared.initial_state[k] for k in self.keys[self.grid(rank).stage]},
                 device_transport,
             )
             for rank in range(scaling.num_actors)
@@ -96,17 +96,14 @@ class StageGroup:
         except TransportFailed as error:
             raise StartFailed(f"{error} (stages on nodes {self.nodes})") from error
 
-    def stage_of(self, rank: int) -> int:
-        return rank % self.scaling.num_stages
-
-    def name(self, rank: int) -> str:
-        """An actor as messages name it: its stage, and its replica under --data-parallel."""
-        replica = rank // self.scaling.num_stages
-        return f"stage {self.stage_of(rank)}" + (f" of replica {replica}" if self.scaling.data_parallel > 1 else "")
+    def grid(self, rank: int) -> Grid:
+        """The actor of ``rank``: its stage and replica, as messages name it."""
+        scaling = self.scaling
+        return Grid.at_rank(rank, scaling.num_stages, scaling.data_parallel, scaling.stage_sharding)
 
     def _start(self, rank: int, prepared: PreparedRun, dataset, initial_slice: dict, device_transport: bool):
-        stage, replica = self.stage_of(rank), rank // self.scaling.num_stages
-        bundle = self.scaling.bundle_index(replica, stage)
+        grid = self.grid(rank)
+        bundle = self.scaling.bundle_index(grid.replica, grid.stage)
         options = dict(
             num_cpus=self.scaling.cpus_per_stage,
             num_gpus=self.scaling.gpus_each or 0,
@@ -114,7 +111,7 @@ class StageGroup:
         )
         actor_cls = ray.remote(StageWorker).options(**options)
         return actor_cls.remote(
-            stage,
+            grid.stage,
             self.scaling.num_stages,
             self.scaling.num_microbatches,
             asdict(prepared.cfg),
@@ -126,7 +123,7 @@ class StageGroup:
             self.reader,
             prepared.model_factory,
             self.cut.unit_costs,
-            Grid(stage, self.scaling.num_stages, replica, self.scaling.data_parallel, self.scaling.stage_sharding),
+            grid,
         )
 
     def gather_state(self) -> tuple[dict, dict, list, dict | None]:
@@ -166,7 +163,7 @@ class StageGroup:
         num_actors = len(self.actors)
         self._get(
             [
-                actor.restore.remote(slice_state(state, self.keys[self.stage_of(rank)], rank, num_actors))
+                actor.restore.remote(slice_state(state, self.keys[self.grid(rank).stage], rank, num_actors))
                 for rank, actor in enumerate(self.actors)
             ],
             "restoring the stages from the checkpoint",
@@ -198,11 +195,11 @@ class StageGroup:
             except Exception:  # the actor is gone
                 index = probes[ready[0]]
                 node = self.nodes[index] if index < len(self.nodes) else "(not started)"
-                return f"{self.name(index)} actor on node {node} died"
+                return f"{self.grid(index).name} actor on node {node} died"
         cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         silent = sorted(probes[ref] for ref in waiting)
         if silent:
-            named = silent if self.scaling.data_parallel == 1 else [self.name(index) for index in silent]
+            named = silent if self.scaling.data_parallel == 1 else [self.grid(index).name for index in silent]
             return f"stages {named} stopped answering ({cause})"
         return f"a stage failed ({cause})"
 
