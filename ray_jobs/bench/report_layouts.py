@@ -32,4 +32,34 @@ def layouts_section(case: dict[str, Any] | None) -> list[str]:
         "the cores: the ratios measure each layout's overhead (collectives, bubble, process count), not scaling.",
         "",
         markdown_table(["layout", "tokens/s", "÷ DDP"], rows),
+    ] + _comm_rows(case.get("comm_bytes_per_step"), case.get("comm_agreement"))
+
+
+KIND_NAMES = {
+    "all_reduce": "all-reduce",
+    "all_gather": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "broadcast": "broadcast",
+    "send": "send",
+    "recv": "receive",
+}
+
+
+def _comm_rows(comm: dict[str, Any] | None, worst: float | None) -> list[str]:
+    """The communication model's bytes per step beside those the runs' processes counted."""
+    if not comm:
+        return []
+    rows = [
+        [NAMES[layout], KIND_NAMES[kind], f"{expected:,.0f}", f"{sides['measured'].get(kind, 0):,.0f}"]
+        for layout, sides in comm.items()
+        for kind, expected in sides["model"].items()
+        if expected or sides["measured"].get(kind)
+    ]
+    return [
+        "",
+        "Bytes handed to collectives and sends per step, all processes together, as the communication model "
+        "(`handed` in `cases/comm_model.py`) states them and as the processes counted them (`--count-comm-bytes`); "
+        f"worst gap {worst:.2%}:",
+        "",
+        markdown_table(["layout", "call", "model bytes", "counted bytes"], rows),
     ]

@@ -30,6 +30,7 @@ TARGET_FSDP_STATE_SLACK = 1.1  # FSDP's model state per worker over DDP's: at mo
 TARGET_FSDP_SPEED = 0.8  # FSDP's samples/s over DDP's on the same model and workers
 TARGET_FSDP_START = 0.6  # an fsdp worker's start-up RSS over a pretrained checkpoint's bytes, at 2 workers
 TARGET_ASYNC_STALL = 0.2  # issue #41: the loop waits for the copy to host memory, not the write
+TARGET_COMM_MODEL_GAP = 0.01  # issue #40: bytes handed to collectives, counted against the model's
 TARGET_BF16_SPEEDUP = 3.0  # bf16 over fp32 samples/s, raypar DDP on one GPU, the compute-bound MLP
 MIB = 1024 * 1024
 
@@ -252,6 +253,7 @@ def targets(results: dict[str, Any]) -> list[dict]:
         + sharding_targets(results.get("sharding"))
         + pretrained_targets(results.get("pretrained"))
         + checkpoint_targets(results.get("checkpoint"))
+        + comm_model_targets(results.get("layouts"))
     )
 
 
@@ -266,6 +268,20 @@ def checkpoint_targets(case: dict[str, Any] | None) -> list[dict]:
             f"<= {TARGET_ASYNC_STALL:g}x",
             lambda v: v <= TARGET_ASYNC_STALL,
             "x",
+        )
+    ]
+
+
+def comm_model_targets(layouts: dict[str, Any] | None) -> list[dict]:
+    """The layouts' counted bytes per step against the communication model's, at the worst gap."""
+    if layouts is None or "comm_agreement" not in layouts:
+        return []
+    return [
+        target(
+            "bytes handed to collectives per step, |counted - model| / model (worst layout and kind)",
+            stats([layouts["comm_agreement"]]),
+            f"<= {TARGET_COMM_MODEL_GAP:.0%}",
+            lambda v: v <= TARGET_COMM_MODEL_GAP,
         )
     ]
 

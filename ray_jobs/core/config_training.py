@@ -83,3 +83,11 @@ class TrainingFlags:
             "the known GPUs' data-sheet figures; none on CPU",
         ),
     )
+    count_comm_bytes: bool = field(
+        default=False,
+        metadata=flag_doc(
+            "count the bytes each process hands to collectives and point-to-point calls per optimizer step, "
+            "by kind (all-reduce, all-gather, reduce-scatter, send, receive), into the summary",
+            "training",
+        ),
+    )

@@ -137,6 +137,7 @@ def _fit(prepared: PreparedRun, scaling: WorkerScaling, wrap, reader, faults: Fa
             "worker_peak_rss_bytes",
             "worker_startup_rss_bytes",
             "worker_model_state_bytes",
+            "worker_comm_bytes_per_step",
             "checkpoint_stall_s",
         )
     }

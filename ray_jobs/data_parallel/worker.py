@@ -52,6 +52,7 @@ from ray_jobs.data.stream import epoch_indices, open_source
 from ray_jobs.data_parallel.checkpointing import CheckpointSaver, report
 from ray_jobs.data_parallel.wrap import Replicas
 from ray_jobs.errors import described
+from ray_jobs.observability.comm_bytes import CommBytes
 from ray_jobs.observability.model_memory import model_state_bytes
 from ray_jobs.observability.process_stats import cpu_times, peak_rss_bytes, reset_peak_rss, rss_bytes, steal_fraction
 from ray_jobs.observability.tensorboard import TrainLog
@@ -152,6 +153,8 @@ class _Worker:
         self.loop, self.cfg, self.dataset, self.device = loop, cfg, dataset, device
         (self.model, self.wrapped), self.optimizer, self.scaler = models, optimizer, scaler
         self.no_sync = loop.wrap.no_sync(self.wrapped)  # --grad-accum-steps
+        self.comm = CommBytes(cfg.count_comm_bytes)
+        self.comm.hook_ddp(self.wrapped)
         self.loss_fn = loss_function(dataset.task)
         self.world_rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
         self.source = open_source(dataset, loop.reader, cfg.seed, cfg.shuffle, device)
@@ -195,19 +198,20 @@ class _Worker:
         mine = (self.source.rows(shard(batch, self.world_size, self.world_rank)) for batch in batches[first_step:])
         for index, (features, targets) in enumerate(prefetched(mine, self.device)):
             self.schedule.apply(self.optimizer, self.schedule.step_of(epoch, first_step + index))
-            result = train_step(
-                self.wrapped,
-                self.optimizer,
-                self.loss_fn,
-                features,
-                targets,
-                weight,
-                precision=cfg.precision,
-                scaler=self.scaler,
-                clip_norm=cfg.grad_clip_norm,
-                accum_steps=cfg.grad_accum_steps,
-                no_sync=self.no_sync,
-            )
+            with self.comm.step():
+                result = train_step(
+                    self.wrapped,
+                    self.optimizer,
+                    self.loss_fn,
+                    features,
+                    targets,
+                    weight,
+                    precision=cfg.precision,
+                    scaler=self.scaler,
+                    clip_norm=cfg.grad_clip_norm,
+                    accum_steps=cfg.grad_accum_steps,
+                    no_sync=self.no_sync,
+                )
             step_losses[index] = result.loss
             if result.grad_norm is not None:  # the same on every rank: the all-reduced gradients'
                 self.grad_norms.append(result.grad_norm)
@@ -246,6 +250,7 @@ class _Worker:
             worker_peak_rss_bytes=_gather(peak_rss_bytes(), self.world_size),
             # after the epoch's last step: its gradients and the optimizer state are all there
             worker_model_state_bytes=_gather(model_state_bytes(self.model, self.optimizer), self.world_size),
+            worker_comm_bytes_per_step=_gather(self.comm.per_step(), self.world_size) if self.comm.enabled else None,
             grad_norm=norm_readings(self.grad_norms),
             device_name=torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
         )

@@ -66,6 +66,7 @@ OPERATIONAL = (
     "resource_timeout",
     "activation_checkpointing",  # recomputes the same activations: the same weights
     "peak_tflops",
+    "count_comm_bytes",  # counts the calls, changes none
 )
 
 

@@ -35,6 +35,7 @@ from ray_jobs.core.step import autocast, build_optimizer, grad_scaler, loss_func
 from ray_jobs.data.device_copy import to_device
 from ray_jobs.data.stream import open_source
 from ray_jobs.errors import PeerLost, described
+from ray_jobs.observability.comm_bytes import CommBytes
 from ray_jobs.observability.model_memory import model_state_bytes
 from ray_jobs.observability.process_stats import peak_rss_bytes
 from ray_jobs.pipeline.cut import boundary_shapes, meta_stages, shared_weights
@@ -120,6 +121,7 @@ class StageWorker:
         self.alive: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.loss_sum = torch.zeros(())
         self.timing = _new_timing()
+        self.comm = CommBytes(cfg.count_comm_bytes)
         torch.manual_seed(rank_seed(cfg.seed, self.grid.rank))  # this actor's dropout draws
 
     def node_id(self) -> str:
@@ -309,25 +311,26 @@ class StageWorker:
         the CPU) on the pipeline's critical path. Time in gloo's send, receive-post and
         send-wait calls is recorded apart (``p2p_calls_s``): it is the transport's own cost.
         """
-        sends = []  # (work, tensor): the tensor must outlive its asynchronous send
-        receives = deque(op for op in self.ops if self._needs_input(op))
-        posted: deque = deque()
-        for index, op in enumerate(self.ops):
-            m, forward = op.microbatch, op.kind == FORWARD
-            if not forward:
-                self.grid.before_backward(self.module, last=index == self.last_backward)
-            received = None
-            if self._needs_input(op):
-                while receives and len(posted) < self.receives_ahead:
-                    posted.append(self._post_receive(receives.popleft(), rows))
-                received = self._wait_receive(op, *posted.popleft())
-            out = self.forward(m, received, rows[m]) if forward else self.backward(m, received)
-            if out is not None:
-                peer = self.grid.rank_of(self.stage_index + (1 if forward else -1))
-                sends.append((self._gloo(CALLS, dist.isend, out, peer, tag=_tag(op, self.num_microbatches)), out))
-        for work, _ in sends:
-            self._gloo(CALLS, work.wait)
-        return self.step()
+        with self.comm.step():  # --count-comm-bytes
+            sends = []  # (work, tensor): the tensor must outlive its asynchronous send
+            receives = deque(op for op in self.ops if self._needs_input(op))
+            posted: deque = deque()
+            for index, op in enumerate(self.ops):
+                m, forward = op.microbatch, op.kind == FORWARD
+                if not forward:
+                    self.grid.before_backward(self.module, last=index == self.last_backward)
+                received = None
+                if self._needs_input(op):
+                    while receives and len(posted) < self.receives_ahead:
+                        posted.append(self._post_receive(receives.popleft(), rows))
+                    received = self._wait_receive(op, *posted.popleft())
+                out = self.forward(m, received, rows[m]) if forward else self.backward(m, received)
+                if out is not None:
+                    peer = self.grid.rank_of(self.stage_index + (1 if forward else -1))
+                    sends.append((self._gloo(CALLS, dist.isend, out, peer, tag=_tag(op, self.num_microbatches)), out))
+            for work, _ in sends:
+                self._gloo(CALLS, work.wait)
+            return self.step()
 
     def _gloo(self, timing_key: str, call, *args, **kwargs):
         """A send, receive or wait, its duration added to ``timing_key``; its failure means a
@@ -386,6 +389,9 @@ class StageWorker:
     def model_state_bytes(self) -> dict[str, int]:
         """What this actor holds of the model's state (a sharded stage: its shards)."""
         return model_state_bytes(self.module, self.optimizer)
+
+    def comm_bytes_per_step(self) -> dict[str, float] | None:
+        return self.comm.per_step()
 
     def peak_memory(self) -> dict[str, int | None]:
         """Peak resident memory of this stage's process, and its GPU's peak allocation."""

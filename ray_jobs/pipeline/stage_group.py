@@ -155,6 +155,10 @@ class StageGroup:
         """Each actor's parameters, gradients and optimizer state, in bytes, in rank order."""
         return self._get([actor.model_state_bytes.remote() for actor in self.actors], "the stages' model state")
 
+    def comm_bytes_per_step(self) -> list[dict[str, float] | None]:
+        """``--count-comm-bytes``: each actor's bytes per step by kind, in rank order."""
+        return self._get([actor.comm_bytes_per_step.remote() for actor in self.actors], "the stages' byte counts")
+
     def peak_memory(self) -> list[dict[str, int | None]]:
         return self._get([actor.peak_memory.remote() for actor in self.actors], "the stages' peak memory")
 

@@ -293,6 +293,7 @@ def _finish(
         "data_parallel": scaling.data_parallel,
         "checkpoint_stall_s": list(attempt.writer.stalls_s),
         "stage_model_state_bytes": stages.model_state_bytes(),  # rank order: replica by replica
+        "stage_comm_bytes_per_step": stages.comm_bytes_per_step() if prepared.cfg.count_comm_bytes else None,
         "num_microbatches": scaling.num_microbatches,
         **attempt.timing.report(scaling.schedule, scaling.num_stages, scaling.num_microbatches),
         **{

@@ -108,3 +108,28 @@ def test_the_communication_model_counts_ring_bytes_by_where_each_link_runs():
     assert {row["layout"].split(" (")[0]: row for row in layouts(small)}["PP"]["inter_bytes"] is None  # 12 layers
     section = "\n".join(comm_model_section(comm_model_case()))
     assert "GPT-2 1.5B" in section and "| DDP (16 replicas)" in section
+
+
+def test_the_bytes_handed_per_step_follow_each_layouts_calls():
+    from ray_jobs.bench.cases.comm_model import Params, handed
+    from ray_jobs.bench.cases.layouts import comm_agreement
+
+    # Two block weights of 5 rows (padded to 6 over 2 shards), a root embedding of 4 rows.
+    params = Params(units=((5, 10), (5, 5)), root=((4, 8),))
+    assert params.count == 23 and params.padded(2) == 12 + 6 + 8 and params.padded(2, "units") == 18
+    ddp = handed("ddp", params, 4, batch_rows=8, row_activation=3)
+    assert ddp["all_reduce"] == 4 * 23 * 4 and not ddp["send"] and not ddp["all_gather"]
+    hsdp = handed("hsdp", params, 4, 8, 3)
+    assert hsdp["all_gather"] == 4 * (2 * 18 + 8) * 4  # the units gathered twice, the root once
+    assert hsdp["reduce_scatter"] == 4 * 26 * 4 and hsdp["all_reduce"] == 4 * 13 * 4
+    pipe = handed("pipeline", params, 4, 8, 3)  # 3 cuts, 8 rows of 3 each way
+    assert pipe["send"] == pipe["recv"] == 2 * 3 * 8 * 3 * 4 and not pipe["all_reduce"]
+    grid = handed("dp_x_pp", params, 4, 8, 3)  # 1 cut, both replicas' rows
+    assert grid["send"] == 2 * 1 * 8 * 3 * 4 and grid["all_reduce"] == 2 * 24 * 4  # with the loss
+    sharded = handed("fsdp_x_pp", params, 4, 8, 3)
+    assert sharded["all_gather"] == sharded["reduce_scatter"] == 2 * 26 * 4 and sharded["all_reduce"] == 2 * 4
+
+    comm = {"ddp": {"model": ddp, "measured": {**ddp, "all_reduce": ddp["all_reduce"] * 1.005}}}
+    assert comm_agreement(comm) == pytest.approx(0.005)
+    comm["pipeline"] = {"model": pipe, "measured": {**pipe, "broadcast": 4.0}}  # a call the model has not
+    assert comm_agreement(comm) == 1.0

@@ -186,6 +186,12 @@ def test_the_layouts_section_puts_every_layout_beside_ddp():
         "num_microbatches": 4,
         "tokens_per_second": {layout: figure(value) for layout, value in speeds.items()},
         "over_ddp": {layout: figure(value / 1000) for layout, value in speeds.items()},
+        "comm_bytes_per_step": {
+            "ddp": {"model": {"all_reduce": 2048.0, "send": 0.0}, "measured": {"all_reduce": 2048.0, "send": 0.0}}
+        },
+        "comm_agreement": 0.0,
     }
     text = "\n".join(layouts_section(case))
+    assert "| DDP, 4 workers | all-reduce |       2,048 |         2,048 |" in text and "worst gap 0.00%" in text
+    assert "| send" not in text  # a call neither side made
     assert "| DP x PP, 2 replicas x 2 stages" in text and "0.70" in text and "measure each layout's overhead" in text

@@ -12,10 +12,15 @@ The model, stated so it can be checked:
   (one); a pipeline's bubble is (S-1)/(M+S-1), the others have none;
 - a pipeline's stages are consecutive ranks, node by node; DP x PP lays data innermost, so a
   stage's copies share a node (``PipelineScaling.bundle_index``).
+
+The rings' inputs, the buffers each layout hands to its collectives, are what this machine can
+check: ``handed`` states them for the layouts case's runs (fp32, one node), and that case sets
+them beside the bytes its processes counted (``--count-comm-bytes``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -129,6 +134,57 @@ def layouts(model: Transformer, nodes: int = NODES, per_node: int = GPUS_PER_NOD
     add(f"DP x PP ({per_node} replicas x {nodes} stages, data innermost)", *pipeline(per_node, nodes, False))
     add(f"FSDP x PP ({per_node} shards x {nodes} stages)", *pipeline(per_node, nodes, True))
     return rows
+
+
+@dataclass(frozen=True)
+class Params:
+    """A model's parameters as FSDP2 sees them: each one's (first dimension, element count), in the
+    groups of its ``shard_units`` (gathered twice a step when resharded after forward) and in the
+    root's (gathered once: FSDP2 does not reshard its root after forward)."""
+
+    units: tuple[tuple[int, int], ...]
+    root: tuple[tuple[int, int], ...]
+
+    @property
+    def count(self) -> int:
+        return sum(n for _, n in self.units + self.root)
+
+    def padded(self, shards: int, part: str = "all") -> int:
+        """Elements once each parameter's first dimension is padded to a multiple of ``shards``,
+        as FSDP2 shards it (``torch.chunk``'s even chunks)."""
+        params = {"units": self.units, "root": self.root, "all": self.units + self.root}[part]
+        return sum(math.ceil(dim0 / shards) * shards * (n // dim0) for dim0, n in params)
+
+
+def handed(
+    layout: str, params: Params, processes: int, batch_rows: int, row_activation: int, element: int = 4
+) -> dict[str, float]:
+    """Bytes all ``processes`` together hand to each kind of call in one optimizer step of
+    ``layout`` (one of the layouts case's, on 2 groups or 2 replicas where it has them): an
+    all-reduce its tensor, an all-gather its output, a reduce-scatter its input, a send or receive
+    its tensor (``observability.comm_bytes`` counts the same). ``row_activation``: the elements of
+    one row's activation at a stage cut; ``element``: bytes per element (fp32: 4)."""
+    kinds = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv")
+    bytes_ = dict.fromkeys(kinds, 0.0)
+    if layout == "ddp":
+        bytes_["all_reduce"] = processes * params.count * element
+    elif layout == "hsdp":
+        shards = processes // 2
+        gathered = 2 * params.padded(shards, "units") + params.padded(shards, "root")
+        bytes_["all_gather"] = processes * gathered * element
+        bytes_["reduce_scatter"] = processes * params.padded(shards) * element
+        bytes_["all_reduce"] = processes * params.padded(shards) / shards * element  # each shard, across groups
+    else:
+        replicas = 1 if layout == "pipeline" else 2
+        stages = processes // replicas
+        # Each cut: every row's activation forward and its gradient back, over all replicas' shares.
+        bytes_["send"] = bytes_["recv"] = 2 * (stages - 1) * batch_rows * row_activation * element
+        if layout == "dp_x_pp":  # each stage's gradients and the last stage's loss, one buffer each copy
+            bytes_["all_reduce"] = replicas * (params.count + 1) * element
+        elif layout == "fsdp_x_pp":  # gathered once a step (not resharded), reduced once a step
+            bytes_["all_gather"] = bytes_["reduce_scatter"] = replicas * params.padded(replicas) * element
+            bytes_["all_reduce"] = replicas * element  # the loss
+    return bytes_
 
 
 def comm_model_case(bench=None, results: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -6,6 +6,11 @@ of each, as a ratio to DDP's, from one run each (the repetitions of ``fit_repeti
 On a machine with fewer cores than the four processes (this 2-CPU VM) they share the cores:
 the ratios then measure each layout's overhead (its collectives, its bubble, its process count),
 not how it scales. Scaling belongs to a cluster (``--suite full --address``).
+
+Each run also counts the bytes its processes hand to collectives and sends per step
+(``--count-comm-bytes``), set beside what the communication model's ``handed`` says they are:
+the check that the model's inputs are what raypar's layouts really move. Counting costs a Python
+call per collective (DDP's through a communication hook), the same for every layout.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import dataclasses
 import os
 from typing import Any
 
+from ray_jobs.bench.cases.comm_model import Params, handed
 from ray_jobs.bench.cases.common import Bench
 from ray_jobs.bench.cases.lm import per_token, write_lm_tokens
 from ray_jobs.bench.stats import ratio, steady, summarise
@@ -35,12 +41,23 @@ def layouts_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
     figures = {
         layout: per_token(summarise(runs)["samples_per_second"], work.block_size) for layout, runs in raw.items()
     }
+    params = _params(bench.config(work, data, "layout-shape"))
+    row_activation = work.block_size * work.n_embd
+    comm = {
+        layout: {
+            "model": handed(layout, params, PROCESSES, work.batch_size, row_activation),
+            "measured": runs[-1]["comm_bytes_per_step"],
+        }
+        for layout, runs in raw.items()
+    }
     return {
         "workload": dataclasses.asdict(work),
         "processes": PROCESSES,
         "num_microbatches": microbatches,
         "tokens_per_second": figures,
         "over_ddp": {layout: ratio(figures[layout], figures["ddp"]) for layout in LAYOUTS},
+        "comm_bytes_per_step": comm,
+        "comm_agreement": comm_agreement(comm),
         "raw": raw,
     }
 
@@ -53,7 +70,8 @@ def _run(bench: Bench, layout: str, data: str) -> dict[str, Any]:
 
     work = bench.suite.lm
     strategy = {"ddp": "ddp", "hsdp": "fsdp"}.get(layout, "pipeline")
-    prepared = prepare(bench.config(work, data, f"layout-{layout}"), strategy)
+    cfg = dataclasses.replace(bench.config(work, data, f"layout-{layout}"), count_comm_bytes=True)
+    prepared = prepare(cfg, strategy)
     workers = {"num_workers": PROCESSES, "cpus_per_worker": CPUS_EACH}
     if layout == "ddp":
         summary = ddp.run(prepared, WorkerScaling(**workers))
@@ -70,4 +88,33 @@ def _run(bench: Bench, layout: str, data: str) -> dict[str, Any]:
         )
         summary = pipeline.run(prepared, scaling)
     bench.clean(prepared.run_dir)
-    return {"samples_per_second": steady(summary.extra["epoch_seconds"], work.samples_per_epoch)}
+    counted = summary.extra["worker_comm_bytes_per_step" if strategy != "pipeline" else "stage_comm_bytes_per_step"]
+    return {
+        "samples_per_second": steady(summary.extra["epoch_seconds"], work.samples_per_epoch),
+        "comm_bytes_per_step": {kind: sum(process[kind] for process in counted) for kind in counted[0]},
+    }
+
+
+def _params(cfg) -> Params:
+    """The gpt's parameters as FSDP2 groups them, read from the model built on the meta device."""
+    from ray_jobs.core.model_init import meta_model
+    from ray_jobs.core.shard_plan import shard_units
+    from ray_jobs.driver.prepare import load_data
+
+    model = meta_model(cfg, load_data(cfg))
+    in_units = {id(p) for name in shard_units(model) for p in model.get_submodule(name).parameters()}
+    shapes: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
+    for param in model.parameters():  # each shared parameter once
+        shapes[id(param) in in_units].append((param.shape[0] if param.dim() else 1, param.numel()))
+    return Params(units=tuple(shapes[True]), root=tuple(shapes[False]))
+
+
+def comm_agreement(comm: dict[str, dict[str, dict[str, float]]]) -> float:
+    """The largest relative gap between a measured count and the model's, over every layout and
+    kind the model gives; 0 is exact. A kind the model says is unused must be counted as 0."""
+    gaps = []
+    for sides in comm.values():
+        for kind, expected in sides["model"].items():
+            measured = sides["measured"].get(kind, 0.0)
+            gaps.append(abs(measured - expected) / expected if expected else float(measured != 0))
+    return max(gaps)
