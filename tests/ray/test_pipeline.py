@@ -176,7 +176,7 @@ def test_a_stage_that_stops_answering_is_one_line_not_a_hang(ray_cluster):
 # its second epoch, the grid it resumes on): each model sees both schedules, replicated and sharded.
 GRIDS = {
     "mlp-stream-fails-resumes-on-1": ("mlp", "gpipe", (2, "none"), "fail", {"data_parallel": 1}),
-    "mlp-sharded": ("mlp", "1f1b", (2, "fsdp"), None, None),
+    "mlp-sharded-bf16": ("mlp", "1f1b", (2, "fsdp"), None, None),
     "gpt-loses-an-actor": ("gpt", "1f1b", (2, "none"), "crash", None),
     "gpt-on-1-fails-resumes-sharded": (
         "gpt",
@@ -198,7 +198,7 @@ def test_replicas_of_the_pipeline_train_the_single_process_weights(
     average. The streamed mlp fails in its second epoch and resumes on one replica; a lost actor
     restarts the grid from epoch 1's checkpoint (written in the background); a 1-D pipeline's
     checkpoint resumes as 2 sharded copies (restored into their shards, gathered from them). The
-    gpt checkpoints its blocks' activations."""
+    gpt checkpoints its blocks' activations; the sharded mlp runs in bf16."""
     model, schedule, (replicas, sharding), fault, resumed = GRIDS[case]
     if model == "gpt":
         cfg = lm_config(tokens, tmp_path, epochs=2, activation_checkpointing=True)
@@ -212,6 +212,7 @@ def test_replicas_of_the_pipeline_train_the_single_process_weights(
             lr_schedule="cosine",
             warmup_steps=2,
             grad_clip_norm=1.0,
+            precision="bf16" if case.endswith("bf16") else "fp32",
             **data,
         )
     grid = {"num_stages": 2, "num_microbatches": 2, "schedule": schedule, "cpus_per_stage": 0.5}
@@ -228,10 +229,18 @@ def test_replicas_of_the_pipeline_train_the_single_process_weights(
     else:
         summary = run_strategy("pipeline", cfg, scaling=first)
     assert summary.resumed_from_epoch == (1 if fault else None)
-    # Tolerance: assert_same_weights'; each replica's micro-batch gradients are summed, then
-    # averaged over the replicas (a gloo all-reduce or reduce-scatter): float32 rounding, another
-    # order per step.
-    assert_trains_the_reference(summary, cfg)
+    if cfg.precision == "bf16":
+        got, (expected, _) = load_weights(summary.run_dir), reference_for(cfg)
+        for key in expected:
+            # bf16 has no bit-level contract: each copy computes its micro-batches with its stage's
+            # weights gathered in bf16, one process the whole batch under autocast. Measured 2.4e-4
+            # from the bf16 reference, 2.3e-3 from the fp32 one: the tolerance tells them apart.
+            torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-3, msg=key)
+    else:
+        # Tolerance: assert_same_weights'; each replica's micro-batch gradients are summed, then
+        # averaged over the replicas (a gloo all-reduce or reduce-scatter): float32 rounding,
+        # another order per step.
+        assert_trains_the_reference(summary, cfg)
     record = json.loads(open(f"{summary.run_dir}/summary.json").read())
     replicas = (resumed or {"data_parallel": 2})["data_parallel"]
     sharded = (resumed or {"stage_sharding": sharding}).get("stage_sharding") == "fsdp"
