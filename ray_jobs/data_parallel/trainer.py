@@ -91,7 +91,7 @@ def _fit(prepared: PreparedRun, scaling: WorkerScaling, wrap, reader, faults: Fa
         val_dataset=ray.put(prepared.val_dataset) if prepared.val_dataset is not None else None,
         faults=faults,
     )
-    trainer = TorchTrainer(
+    trainer = _Trainer(
         train_loop_per_worker,
         train_loop_config=vars(loop),
         torch_config=_process_group(scaling),
@@ -211,6 +211,19 @@ def _controller_env(defaults: dict[str, str]):
     finally:
         for name in added:
             os.environ.pop(name, None)
+
+
+class _Trainer(TorchTrainer):
+    """``TorchTrainer`` less the Ray Data actor it starts for every fit: raypar hands Ray Train no
+    dataset (the data travels through the object store or raypar's own reader), yet Ray Train 2.60
+    starts a ``DatasetManager`` actor per fit all the same, a process of its own that costs ~1.2
+    CPU-seconds (docs/performance.md). With no dataset there is nothing for it to serve."""
+
+    def _create_default_callbacks(self):
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+        callbacks = super()._create_default_callbacks()
+        return callbacks if self.datasets else [c for c in callbacks if not isinstance(c, DatasetsCallback)]
 
 
 def _fit_interruptibly(trainer: TorchTrainer):
