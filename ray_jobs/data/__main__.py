@@ -100,20 +100,62 @@ def add_tokenize(commands) -> None:
         help=f"rows per Parquet row group (default: {ROW_GROUP_ROWS}, fewer when a group would pass "
         f"{tokenized.ROW_GROUP_TOKENS:,} tokens)",
     )
+    tokenize.add_argument(
+        "--bpe-sample-bytes",
+        type=int,
+        default=tokenized.BPE_SAMPLE_BYTES,
+        help="bpe: learn the merges from about this many bytes of the input, each file's first share in "
+        f"proportion to its size; all of it when smaller (default: {tokenized.BPE_SAMPLE_BYTES:,})",
+    )
+    on_ray = tokenize.add_argument_group(
+        "on a Ray cluster",
+        "--ray reads and encodes the inputs as Ray Data tasks over the cluster's CPUs (a task per text or "
+        "JSON Lines file, per Parquet row group); this process routes the tokens and writes the rows. The "
+        "rows, their order, the val split and tokenizer.json are those the command writes without --ray, as "
+        "shards: OUTPUT/train/train-00000-of-000NN.parquet ... (and OUTPUT/val/), one dataset in name order.",
+    )
+    on_ray.add_argument("--ray", action="store_true", help="tokenize on a Ray cluster (default: in this process)")
+    on_ray.add_argument(
+        "--address", default=None, help="the cluster to join (default: RAY_ADDRESS, else a new local Ray)"
+    )
+    on_ray.add_argument(
+        "--num-cpus",
+        type=int,
+        default=None,
+        help="CPUs the tasks may hold at once (default: the cluster's); leave some to a training job sharing it",
+    )
+    on_ray.add_argument(
+        "--shard-rows",
+        type=int,
+        default=None,
+        help=f"rows per output shard, whole row groups (default: as many as hold {tokenized.SHARD_TOKENS:,} tokens)",
+    )
 
 
 def run_tokenize(args) -> int:
-    report = tokenized.tokenize(
-        args.input,
-        args.output,
-        args.block_size,
-        kind=args.tokenizer,
-        vocab_size=args.vocab_size,
-        text_column=args.text_column,
-        val_fraction=args.val_fraction,
-        seed=args.seed,
-        row_group_rows=args.row_group_rows,
-    )
+    options = {
+        "kind": args.tokenizer,
+        "vocab_size": args.vocab_size,
+        "text_column": args.text_column,
+        "val_fraction": args.val_fraction,
+        "seed": args.seed,
+        "row_group_rows": args.row_group_rows,
+        "bpe_sample_bytes": args.bpe_sample_bytes,
+    }
+    if not args.ray:
+        for flag in ("address", "num_cpus", "shard_rows"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} is for --ray")
+        report = tokenized.tokenize(args.input, args.output, args.block_size, **options)
+    else:
+        from ray_jobs.data import tokenize_ray
+        from ray_jobs.driver.connect import connect  # a cluster joined as every entry point joins it
+
+        tokenize_ray.check_cluster_flags(args.num_cpus, args.shard_rows)
+        connect(args.address)
+        report = tokenize_ray.tokenize(
+            args.input, args.output, args.block_size, num_cpus=args.num_cpus, shard_rows=args.shard_rows, **options
+        )
     print("\n".join(tokenized.report_lines(report, args.output, args.block_size)))
     return 0
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import codecs
 import glob
 import gzip
+import io
 import json
 import os
 import re
@@ -21,7 +22,10 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+
+from ray_jobs.data import storage
 
 JSON_LINES = (".jsonl", ".ndjson", ".json")
 PARQUET = ".parquet"
@@ -43,7 +47,9 @@ def input_files(patterns: list[str], exclude: str | None = None) -> list[str]:
     files: dict[str, None] = {}
     for pattern in patterns:
         expanded = os.path.expanduser(pattern)
-        if GLOB_CHARS.search(expanded):
+        if "://" in pattern:
+            found = _stored_files(pattern)
+        elif GLOB_CHARS.search(expanded):
             found = [path for path in sorted(glob.glob(expanded, recursive=True)) if os.path.isfile(path)]
         elif os.path.isdir(expanded):
             found = _walk(expanded)
@@ -56,6 +62,24 @@ def input_files(patterns: list[str], exclude: str | None = None) -> list[str]:
             raise ValueError(f"--input {pattern}: no input files matched")
         files.update(dict.fromkeys(found))
     return list(files)
+
+
+def _stored_files(uri: str) -> list[str]:
+    """A URI's file, or the files under it (recursively, in name order, hidden names skipped), as
+    URIs with its query; globs are for local paths."""
+    filesystem, path = storage.resolve(uri)
+    info = filesystem.get_file_info(path)
+    if info.type == pafs.FileType.File:
+        return [uri]
+    if info.type != pafs.FileType.Directory:
+        raise ValueError(f"--input {storage.without_query(uri)}: no such file or directory")
+    base = path.rstrip("/") + "/"
+    names = sorted(
+        found.path[len(base) :]
+        for found in filesystem.get_file_info(pafs.FileSelector(path, recursive=True))
+        if found.type == pafs.FileType.File
+    )
+    return [storage.join(uri, name) for name in names if not any(part.startswith(".") for part in name.split("/"))]
 
 
 def _walk(directory: str) -> list[str]:
@@ -79,7 +103,7 @@ def _binary(path: str) -> bool:
 
 def file_kind(path: str) -> str:
     """``parquet``, ``jsonl`` or ``text``, from the name (a ``.gz`` suffix aside)."""
-    name = path.lower().removesuffix(".gz")
+    name = storage.without_query(path).lower().removesuffix(".gz")
     if name.endswith(PARQUET):
         return "parquet"
     return "jsonl" if name.endswith(JSON_LINES) else "text"
@@ -104,7 +128,7 @@ class Corpus:
     """Per file, the bad bytes (and lone surrogates) replaced by U+FFFD."""
 
     def __post_init__(self) -> None:
-        self.total_bytes = sum(os.path.getsize(path) for path in self.files)
+        self.total_bytes = sum(file_size(path) for path in self.files)
 
     def check(self) -> None:
         """Every Parquet file has a string text column: refused now, not after a BPE pass."""
@@ -113,12 +137,39 @@ class Corpus:
                 _text_field(path, self.text_column)
 
     def pieces(self) -> Iterator[tuple[str, bool]]:
-        self.done_bytes, self.documents, self.skipped, self.replaced = 0, 0, 0, {}
+        self.restart()
         for path in self.files:
-            start = self.done_bytes  # each reader adds its own file's progress to this
-            reader = {"parquet": self._parquet, "jsonl": self._json_lines, "text": self._text}[file_kind(path)]
-            yield from reader(path)
-            self.done_bytes = start + os.path.getsize(path)
+            yield from self.file_pieces(path)
+
+    def restart(self) -> None:
+        """A new pass: the counts from zero."""
+        self.done_bytes, self.documents, self.skipped, self.replaced = 0, 0, 0, {}
+
+    def file_pieces(self, path: str, row_group: int | None = None) -> Iterator[tuple[str, bool]]:
+        """One file's pieces (of a Parquet file, ``row_group``'s alone), adding to the counts."""
+        start = self.done_bytes  # each reader adds its own file's progress to this
+        if row_group is not None:
+            yield from self._parquet(path, [row_group])
+            return
+        reader = {"parquet": self._parquet, "jsonl": self._json_lines, "text": self._text}[file_kind(path)]
+        yield from reader(path)
+        self.done_bytes = start + file_size(path)
+
+    def sample(self, limit: int) -> Iterator[str]:
+        """About ``limit`` bytes of the text, the same every time: all of it when it is no larger;
+        else from each file its first share of ``limit``, in proportion to its size (as stored),
+        so every file has its say. Read a piece at a time, so the cut falls after a piece."""
+        if self.total_bytes <= limit:
+            yield from self.texts()
+            return
+        self.restart()
+        for path in self.files:
+            start, size = self.done_bytes, file_size(path)
+            for text, _ in self.file_pieces(path):
+                yield text
+                if self.done_bytes - start >= limit * size / self.total_bytes:
+                    break
+            self.done_bytes = start + size
 
     def texts(self) -> Iterator[str]:
         return (text for text, _ in self.pieces())
@@ -160,11 +211,15 @@ class Corpus:
                 self.documents += 1
                 yield self._clean(text, path), True
 
-    def _parquet(self, path: str) -> Iterator[tuple[str, bool]]:
-        source = pq.ParquetFile(path)
-        total, done, start, size = source.metadata.num_rows, 0, self.done_bytes, os.path.getsize(path)
+    def _parquet(self, path: str, row_groups: list[int] | None = None) -> Iterator[tuple[str, bool]]:
+        source = parquet_file(path)
+        total, done, start, size = source.metadata.num_rows, 0, self.done_bytes, file_size(path)
         _text_field(path, self.text_column, source.schema_arrow)
-        for batch in source.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[self.text_column]):
+        if row_groups is not None:  # progress by these groups' rows, their share of the file
+            total = sum(source.metadata.row_group(group).num_rows for group in row_groups)
+            size = sum(source.metadata.row_group(group).total_byte_size for group in row_groups)
+        batches = source.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[self.text_column], row_groups=row_groups)
+        for batch in batches:
             done += batch.num_rows
             self.done_bytes = start + size * done // max(total, 1)
             for text in batch.column(0).to_pylist():
@@ -176,7 +231,32 @@ class Corpus:
 
 
 def _open(path: str) -> BinaryIO:
-    return gzip.open(path, "rb") if path.lower().endswith(".gz") else open(path, "rb")
+    """A file's bytes as stored, ungzipped: a local file, or a URI's through pyarrow."""
+    if "://" in path:
+        filesystem, where = storage.resolve(path)
+        # Seekable, as gzip wants; buffered, for the lines of JSON Lines (pyarrow's file has no readline).
+        raw = io.BufferedReader(filesystem.open_input_file(where), buffer_size=1 << 20)
+        return gzip.GzipFile(fileobj=raw, mode="rb") if is_gzip(path) else raw
+    return gzip.open(path, "rb") if is_gzip(path) else open(path, "rb")
+
+
+def is_gzip(path: str) -> bool:
+    return storage.without_query(path).lower().endswith(".gz")
+
+
+def file_size(path: str) -> int:
+    """Bytes as stored, of a local file or a URI's."""
+    if "://" not in path:
+        return os.path.getsize(path)
+    filesystem, where = storage.resolve(path)
+    return filesystem.get_file_info(where).size
+
+
+def parquet_file(path: str) -> pq.ParquetFile:
+    if "://" not in path:
+        return pq.ParquetFile(path)
+    filesystem, where = storage.resolve(path)
+    return pq.ParquetFile(filesystem.open_input_file(where))
 
 
 def _position(stream: BinaryIO) -> int:
@@ -203,7 +283,7 @@ def _record_text(line: bytes, where: str, column: str) -> str | None:
 
 def _text_field(path: str, column: str, schema: pa.Schema | None = None) -> None:
     try:
-        schema = schema or pq.read_schema(path)
+        schema = schema or parquet_file(path).schema_arrow
     except (pa.ArrowInvalid, OSError) as error:
         raise ValueError(f"--input {path}: not readable as Parquet ({str(error).splitlines()[0]})") from None
     if column not in schema.names:

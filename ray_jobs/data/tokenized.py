@@ -45,6 +45,9 @@ from ray_jobs.data.tokenizer import (
 
 TRAIN_FILE, VAL_FILE = "train.parquet", "val.parquet"
 BPE_VOCAB = 4096  # --vocab-size for bpe when none is given: small enough for a few MB of text
+# --bpe-sample-bytes: the text bpe learns its merges from, at most (a 10 GB corpus's merges are
+# learned from 100 MB of it, spread over its files); a smaller corpus is read whole, as before.
+BPE_SAMPLE_BYTES = 100_000_000
 # --val-fraction holds out whole documents, or, of a longer one, whole spans of this many blocks:
 # a corpus that is one long file (tinyshakespeare) still gets a held-out split spread through it.
 SPAN_BLOCKS = 64
@@ -53,6 +56,8 @@ SPAN_BLOCKS = 64
 BATCH_CHARS = 4 << 20
 # A row group holds at most this many tokens (16 MiB of int32) at large block sizes.
 ROW_GROUP_TOKENS = 1 << 22
+# tokenize --ray: a shard holds whole row groups up to this many tokens (512 MiB of int32).
+SHARD_TOKENS = 1 << 27
 LARGE_INPUT_BYTES = 64 << 20  # progress lines on stderr for input this large even when it is not a terminal
 PROGRESS_REDRAW_S, PROGRESS_LINE_S = 0.5, 10.0  # a terminal's line is redrawn this often; a log gets a line
 
@@ -60,11 +65,14 @@ PROGRESS_REDRAW_S, PROGRESS_LINE_S = 0.5, 10.0  # a terminal's line is redrawn t
 @dataclass
 class SplitReport:
     file: str
+    """Its file, or (--ray) its shards' directory, under the output."""
     rows: int = 0
     tokens: int = 0
     """Tokens of this split's stream, end-of-text included."""
     dropped: int = 0
     """Tokens at the stream's end that did not fill a row."""
+    shards: int = 0
+    """--ray: the files its rows are in."""
 
 
 @dataclass
@@ -150,8 +158,12 @@ class Progress:
             return
         self.shown = time_s
         share = self.corpus.done_bytes / max(self.corpus.total_bytes, 1)
-        rate = f", {tokens / max(time_s - self.start, 1e-9) / 1e6:.2f}M tokens/s" if tokens is not None else ""
-        line = f"{self.what}: {share:.0%} of {_size(self.corpus.total_bytes)}{rate}"
+        line = f"{self.what}: {share:.0%} of {_size(self.corpus.total_bytes)}"
+        if tokens is not None:  # encoding: its documents, rate and time left, by the bytes still to read
+            seconds = max(time_s - self.start, 1e-9)
+            line += f", {self.corpus.documents:,} documents, {tokens / seconds / 1e6:.2f}M tokens/s"
+            if 0 < share < 1:
+                line += f", ETA {_duration(seconds * (1 - share) / share)}"
         self.out.write(f"\r{line}\033[K" if self.tty else f"{line}\n")
         self.out.flush()
 
@@ -159,6 +171,12 @@ class Progress:
         if self.enabled and self.tty:
             self.out.write("\r\033[K")
             self.out.flush()
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
 
 
 def _size(num_bytes: int) -> str:
@@ -193,79 +211,119 @@ def check_flags(kind: str, vocab_size: int | None, block_size: int, val_fraction
     return vocab_size
 
 
+@dataclass
+class Options:
+    """``tokenize``'s settings beside its inputs, output and block size (the command's flags)."""
+
+    kind: str = "byte"
+    vocab_size: int | None = None
+    text_column: str = "text"
+    val_fraction: float = 0.0
+    seed: int = 0
+    row_group_rows: int | None = None
+    bpe_sample_bytes: int = BPE_SAMPLE_BYTES
+
+
+class Job:
+    """What both ways of tokenizing share: the checks, the corpus and its tokenizer (trained here
+    for bpe), the splits' rows and router, and the report."""
+
+    def __init__(self, inputs: list[str], output: str, block_size: int, options: Options, progress_out: TextIO):
+        self.options, self.block_size = options, block_size
+        self.row_group_rows = options.row_group_rows or default_row_group_rows(block_size)
+        self.asked_vocab = check_flags(
+            options.kind, options.vocab_size, block_size, options.val_fraction, self.row_group_rows
+        )
+        check_output(output)
+        self.start = time.monotonic()
+        self.corpus = Corpus(input_files(inputs, exclude=output), options.text_column)
+        self.corpus.check()
+        self.progress = Progress(self.corpus, progress_out)
+        self.tokenizer = make_tokenizer(
+            options.kind, self.asked_vocab, self.corpus, self.progress, options.bpe_sample_bytes
+        )
+        self.train_seconds = time.monotonic() - self.start if options.kind == "bpe" else 0.0
+        self.schema = pa.schema(
+            [pa.field(TOKENS_COLUMN, pa.list_(pa.int32()))], metadata=schema_metadata(self.tokenizer)
+        )
+        self.splits: list[SplitReport] = []
+
+    def router(self, writers: list, names: list[str]) -> tuple[Router, list[TokenRows]]:
+        """Each split's rows, written to its writer, and the router that feeds them."""
+        self.splits = [SplitReport(name) for name in names]
+        rows = [TokenRows(w, split, self.block_size, self.row_group_rows) for w, split in zip(writers, self.splits)]
+        holdout = Holdout(self.options.val_fraction, self.options.seed)
+        return Router(rows, holdout, self.block_size * SPAN_BLOCKS, self.tokenizer.eot_id), rows
+
+    def close(self, rows: list[TokenRows]) -> None:
+        """The rows left written, and the splits checked."""
+        for split_rows in rows:
+            split_rows.close()
+        check_rows(self.splits, self.block_size, self.options.val_fraction)
+
+    def report(self) -> TokenizeReport:
+        return TokenizeReport(
+            tokenizer=self.tokenizer,
+            files=len(self.corpus.files),
+            input_bytes=self.corpus.total_bytes,
+            documents=self.corpus.documents,
+            seconds=time.monotonic() - self.start,
+            splits=self.splits,
+            replaced=self.corpus.replaced,
+            skipped=self.corpus.skipped,
+            train_seconds=self.train_seconds,
+            asked_vocab=self.asked_vocab,
+        )
+
+
 def tokenize(
-    inputs: list[str],
-    output: str,
-    block_size: int,
-    *,
-    kind: str = "byte",
-    vocab_size: int | None = None,
-    text_column: str = "text",
-    val_fraction: float = 0.0,
-    seed: int = 0,
-    row_group_rows: int | None = None,
-    progress_out: TextIO = sys.stderr,
+    inputs: list[str], output: str, block_size: int, *, progress_out: TextIO = sys.stderr, **options
 ) -> TokenizeReport:
     """Tokenize ``inputs`` into ``output``/train.parquet (and val.parquet with ``val_fraction``) and
     ``output``/tokenizer.json, all three or none; ``ValueError`` for bad input, in one line.
+    ``options``: ``Options``' fields.
 
     ``val_fraction`` holds out that share of whole documents (of a longer one, of its spans of
     ``SPAN_BLOCKS`` blocks): every ``1/f``-th in input order, from a starting point drawn from ``seed``
-    (``Holdout``); the same input and seed give the same split."""
-    row_group_rows = row_group_rows or default_row_group_rows(block_size)
-    vocab_size = check_flags(kind, vocab_size, block_size, val_fraction, row_group_rows)
-    _check_output(output)
-    start = time.monotonic()
-    corpus = Corpus(input_files(inputs, exclude=output), text_column)
-    corpus.check()
-    progress = Progress(corpus, progress_out)
-    if kind == "byte":
-        tokenizer = ByteTokenizer()
-    elif kind == "bpe":
-        tokenizer = train_bpe(_training_texts(corpus, progress), vocab_size)
-    else:
-        tokenizer = read_pretrained_tokenizer(kind)
-    train_seconds = time.monotonic() - start
-    names = [TRAIN_FILE, VAL_FILE] if val_fraction else [TRAIN_FILE]
-    splits = [SplitReport(name) for name in names]
-    schema = pa.schema([pa.field(TOKENS_COLUMN, pa.list_(pa.int32()))], metadata=schema_metadata(tokenizer))
+    (``Holdout``); the same input and seed give the same split. A bpe tokenizer learns its merges
+    from ``bpe_sample_bytes`` of the text (``Corpus.sample``)."""
+    job = Job(inputs, output, block_size, Options(**options), progress_out)
+    names = [TRAIN_FILE, VAL_FILE] if job.options.val_fraction else [TRAIN_FILE]
 
     def write(streams: list) -> None:
         with contextlib.ExitStack() as stack:  # each writer closed (a failure's too) before its stream
-            writers = [stack.enter_context(pq.ParquetWriter(stream, schema)) for stream in streams[:-1]]
-            rows = [TokenRows(w, split, block_size, row_group_rows) for w, split in zip(writers, splits)]
-            _encode(corpus, tokenizer, rows, Holdout(val_fraction, seed), block_size * SPAN_BLOCKS, progress)
-            for split_rows in rows:
-                split_rows.close()
-        _check_rows(splits, block_size, val_fraction)
-        streams[-1].write(tokenizer.to_json().encode())
+            writers = [stack.enter_context(pq.ParquetWriter(stream, job.schema)) for stream in streams[:-1]]
+            router, rows = job.router(writers, names)
+            _encode(job.corpus, job.tokenizer, router, job.progress)
+            job.close(rows)
+        streams[-1].write(job.tokenizer.to_json().encode())
 
     storage.write_many([storage.join(output, name) for name in [*names, TOKENIZER_FILE]], write)
-    if not val_fraction:  # a val split of an earlier run would no longer match this tokenizer
+    if not job.options.val_fraction:  # a val split of an earlier run would no longer match this tokenizer
         storage.delete_file(storage.join(output, VAL_FILE))
-    return TokenizeReport(
-        tokenizer=tokenizer,
-        files=len(corpus.files),
-        input_bytes=corpus.total_bytes,
-        documents=corpus.documents,
-        seconds=time.monotonic() - start,
-        splits=splits,
-        replaced=corpus.replaced,
-        skipped=corpus.skipped,
-        train_seconds=train_seconds if kind == "bpe" else 0.0,
-        asked_vocab=vocab_size,
-    )
+    return job.report()
 
 
-def _check_output(output: str) -> None:
+def check_output(output: str) -> None:
     filesystem, path = storage.resolve(output)
     if filesystem.get_file_info(path).type == pafs.FileType.File:
         raise ValueError(f"--output {output} is a file: name a directory to write train.parquet and tokenizer.json in")
 
 
-def _training_texts(corpus: Corpus, progress: Progress) -> Iterator[str]:
+def make_tokenizer(kind: str, vocab_size: int, corpus: Corpus, progress: Progress, sample_bytes: int) -> Tokenizer:
+    """``--tokenizer``'s: bytes, a bpe trained on ``sample_bytes`` of the corpus, or a pretrained one."""
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind != "bpe":
+        return read_pretrained_tokenizer(kind)
+    if sample_bytes < 1:
+        raise ValueError(f"--bpe-sample-bytes must be at least 1, got {sample_bytes}")
+    return train_bpe(_training_texts(corpus, progress, sample_bytes), vocab_size)
+
+
+def _training_texts(corpus: Corpus, progress: Progress, sample_bytes: int) -> Iterator[str]:
     progress.begin("training bpe: reading")
-    for text in corpus.texts():
+    for text in corpus.sample(sample_bytes):
         progress.show()
         yield text
     progress.begin("training bpe: learning the merges")  # the library's own work, after the reading
@@ -288,35 +346,44 @@ class Holdout:
         return int(math.floor((k + 1) * self.fraction + self.phase) > math.floor(k * self.fraction + self.phase))
 
 
-def _encode(
-    corpus: Corpus,
-    tokenizer: Tokenizer,
-    rows: list[TokenRows],
-    holdout: Holdout,
-    span_tokens: int,
-    progress: Progress,
-) -> None:
-    """One pass: every piece encoded (in batches), routed to its split, end-of-text after each document."""
-    eot = np.array([tokenizer.eot_id], dtype=np.int32)
-    split, span_left, starts_document = 0, 0, True
+class Router:
+    """Each piece's ids to its split, end-of-text after each document: a new document, or a long
+    one's next span of ``span_tokens``, draws its split from ``holdout``. Pieces of one document may
+    come in any sizes: the spans are cut from the document's ids as they arrive."""
+
+    def __init__(self, rows: list[TokenRows], holdout: Holdout, span_tokens: int, eot_id: int) -> None:
+        self.rows, self.holdout, self.span_tokens = rows, holdout, span_tokens
+        self.eot = np.array([eot_id], dtype=np.int32)
+        self.split, self.span_left, self.starts_document = 0, 0, True
+
+    def add(self, ids: np.ndarray, ends_document: bool) -> None:
+        while len(ids) or (ends_document and self.starts_document):  # an empty document still gets its end
+            if self.starts_document or self.span_left == 0:  # a new document, or a long one's next span
+                self.split, self.span_left, self.starts_document = self.holdout.next_split(), self.span_tokens, False
+            taken = ids[: self.span_left]
+            self.rows[self.split].add(taken)
+            self.span_left -= len(taken)
+            ids = ids[len(taken) :]
+        if ends_document:
+            self.rows[self.split].add(self.eot)  # with the document's last span
+            self.starts_document = True
+
+    @property
+    def tokens(self) -> int:
+        return sum(row.report.tokens for row in self.rows)
+
+
+def _encode(corpus: Corpus, tokenizer: Tokenizer, router: Router, progress: Progress) -> None:
+    """One pass: every piece encoded (in batches) and routed."""
     progress.begin("tokenize")
-    for batch in _batches(corpus.pieces()):
-        for ids, ends_document in zip(tokenizer.encode_batch([text for text, _ in batch]), (e for _, e in batch)):
-            while len(ids) or (ends_document and starts_document):  # an empty document still gets its end
-                if starts_document or span_left == 0:  # a new document, or a long one's next span
-                    split, span_left, starts_document = holdout.next_split(), span_tokens, False
-                taken = ids[:span_left]
-                rows[split].add(taken)
-                span_left -= len(taken)
-                ids = ids[len(taken) :]
-            if ends_document:
-                rows[split].add(eot)  # with the document's last span
-                starts_document = True
-        progress.show(sum(row.report.tokens for row in rows))
+    for batch in text_batches(corpus.pieces()):
+        for ids, (_, ends_document) in zip(tokenizer.encode_batch([text for text, _ in batch]), batch):
+            router.add(ids, ends_document)
+        progress.show(router.tokens)
     progress.done()
 
 
-def _batches(pieces: Iterator[tuple[str, bool]]) -> Iterator[list[tuple[str, bool]]]:
+def text_batches(pieces: Iterator[tuple[str, bool]]) -> Iterator[list[tuple[str, bool]]]:
     batch, chars = [], 0
     for piece in pieces:
         batch.append(piece)
@@ -328,7 +395,7 @@ def _batches(pieces: Iterator[tuple[str, bool]]) -> Iterator[list[tuple[str, boo
         yield batch
 
 
-def _check_rows(splits: list[SplitReport], block_size: int, val_fraction: float) -> None:
+def check_rows(splits: list[SplitReport], block_size: int, val_fraction: float) -> None:
     train, block = splits[0], f"one block of {block_size + 1} (--block-size {block_size})"
     if not train.rows and not (val_fraction and splits[1].tokens):
         raise ValueError(
@@ -362,9 +429,10 @@ def report_lines(report: TokenizeReport, output: str, block_size: int) -> list[s
     ]
     for split in report.splits:
         dropped = f"; its last {split.dropped:,}, less than a row, dropped" if split.dropped else ""
+        shards = f" ({split.shards} shard{'s' if split.shards > 1 else ''})" if split.shards else ""
         lines.append(
             f"  {split.rows:,} rows of {block_size + 1} tokens ({split.tokens:,} tokens{dropped}) "
-            f"-> {storage.join(output, split.file)}"
+            f"-> {storage.join(output, split.file)}{shards}"
         )
     if report.replaced:
         worst = sorted(report.replaced.items(), key=lambda item: -item[1])[:3]
