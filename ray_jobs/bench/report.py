@@ -20,6 +20,7 @@ from ray_jobs.bench.report_sharding import sharding_section
 from ray_jobs.bench.report_stage_memory import stage_memory_section
 from ray_jobs.bench.report_stream_ingest import stream_ingest_section
 from ray_jobs.bench.report_tables import fmt, markdown_table
+from ray_jobs.bench.report_tokenize import tokenize_section
 
 __all__ = ["fmt", "markdown_table", "render"]  # the table helpers, for callers that know them from here
 
@@ -41,6 +42,7 @@ def render(results: dict[str, Any]) -> str:
             + pretrained_section(results.get("pretrained"))
             + layouts_section(results.get("layouts"))
             + checkpoint_section(results.get("checkpoint"))
+            + tokenize_section(results.get("tokenize"))
             + comm_model_section(results.get("comm_model"))
             + gpu_sections(results)
             + _targets(results)

@@ -30,6 +30,7 @@ TARGET_FSDP_STATE_SLACK = 1.1  # FSDP's model state per worker over DDP's: at mo
 TARGET_FSDP_SPEED = 0.8  # FSDP's samples/s over DDP's on the same model and workers
 TARGET_FSDP_START = 0.6  # an fsdp worker's start-up RSS over a pretrained checkpoint's bytes, at 2 workers
 TARGET_ASYNC_STALL = 0.2  # issue #41: the loop waits for the copy to host memory, not the write
+TARGET_TOKENIZE_SCALING = 1.8  # issue #42: tokenize --ray's bpe encoding, 2 CPUs over 1
 TARGET_COMM_MODEL_GAP = 0.01  # issue #40: bytes handed to collectives, counted against the model's
 TARGET_BF16_SPEEDUP = 3.0  # bf16 over fp32 samples/s, raypar DDP on one GPU, the compute-bound MLP
 MIB = 1024 * 1024
@@ -254,6 +255,7 @@ def targets(results: dict[str, Any]) -> list[dict]:
         + pretrained_targets(results.get("pretrained"))
         + checkpoint_targets(results.get("checkpoint"))
         + comm_model_targets(results.get("layouts"))
+        + tokenize_targets(results.get("tokenize"))
     )
 
 
@@ -283,6 +285,27 @@ def comm_model_targets(layouts: dict[str, Any] | None) -> list[dict]:
             f"<= {TARGET_COMM_MODEL_GAP:.0%}",
             lambda v: v <= TARGET_COMM_MODEL_GAP,
         )
+    ]
+
+
+def tokenize_targets(case: dict[str, Any] | None) -> list[dict]:
+    """tokenize --ray's bpe encoding from 1 CPU to 2, and its rows the one process's."""
+    if case is None:
+        return []
+    return [
+        target(
+            "tokenize --ray bpe tokens/s, 2 CPUs / 1 CPU",
+            case["ray_2_over_ray_1"]["bpe"],
+            f">= {TARGET_TOKENIZE_SCALING}x",
+            lambda v: v >= TARGET_TOKENIZE_SCALING,
+            "x",
+        ),
+        target(
+            "tokenize --ray rows identical to one process's (1 = yes)",
+            stats([float(case["identical_rows"])]),
+            "= 1",
+            lambda v: v == 1.0,
+        ),
     ]
 
 

@@ -155,6 +155,9 @@ class Suite:
     """The checkpoint case's model: its training state (weights and SGD's momentum) past 200 MB, a
     checkpoint each epoch, sync against async. An epoch (32 steps) outlasts an upload, as a real
     run's checkpoint interval does: an async checkpoint waits for the last one's upload first."""
+    tokenize_bytes: int = 16_000_000
+    """The tokenize case's corpus: about this many bytes of the standard library's sources (all
+    of them, ~13 MB on this machine, when fewer), in files of ``TOKENIZE_FILE_BYTES``."""
 
 
 SUITES: dict[str, Suite] = {
@@ -275,6 +278,7 @@ SUITES: dict[str, Suite] = {
         gpt=GPTShape(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, batch_size=4),
         pretrained=None,
         checkpoint=Workload("mlp", 64, 3, rows=64, in_features=8, out_features=8, batch_size=32, epochs=3),
+        tokenize_bytes=400_000,
     ),
 }
 

@@ -119,12 +119,6 @@ def add_tokenize(commands) -> None:
         "--address", default=None, help="the cluster to join (default: RAY_ADDRESS, else a new local Ray)"
     )
     on_ray.add_argument(
-        "--num-cpus",
-        type=int,
-        default=None,
-        help="CPUs the tasks may hold at once (default: the cluster's); leave some to a training job sharing it",
-    )
-    on_ray.add_argument(
         "--shard-rows",
         type=int,
         default=None,
@@ -143,7 +137,7 @@ def run_tokenize(args) -> int:
         "bpe_sample_bytes": args.bpe_sample_bytes,
     }
     if not args.ray:
-        for flag in ("address", "num_cpus", "shard_rows"):
+        for flag in ("address", "shard_rows"):
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} is for --ray")
         report = tokenized.tokenize(args.input, args.output, args.block_size, **options)
@@ -151,11 +145,9 @@ def run_tokenize(args) -> int:
         from ray_jobs.data import tokenize_ray
         from ray_jobs.driver.connect import connect  # a cluster joined as every entry point joins it
 
-        tokenize_ray.check_cluster_flags(args.num_cpus, args.shard_rows)
+        tokenize_ray.check_cluster_flags(args.shard_rows)
         connect(args.address)
-        report = tokenize_ray.tokenize(
-            args.input, args.output, args.block_size, num_cpus=args.num_cpus, shard_rows=args.shard_rows, **options
-        )
+        report = tokenize_ray.tokenize(args.input, args.output, args.block_size, shard_rows=args.shard_rows, **options)
     print("\n".join(tokenized.report_lines(report, args.output, args.block_size)))
     return 0
 

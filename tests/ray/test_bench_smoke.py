@@ -80,6 +80,10 @@ def test_the_smoke_suite_runs_every_case_end_to_end(ray_cluster, tmp_path):
     assert set(grid["over_ddp"]) == {"ddp", "hsdp", "pipeline", "dp_x_pp", "fsdp_x_pp"}
     # Every buffer the layouts hand to collectives and sends, counted, is what the model states.
     assert grid["comm_agreement"] == 0.0, grid["comm_bytes_per_step"]
+    words = results["tokenize"]  # one process against Ray Data tasks on 1 and 2 CPUs, the same rows
+    assert words["identical_rows"] and all(
+        figure["median"] > 0 for sides in words["tokens_per_second"].values() for figure in sides.values()
+    )
     assert all(figure["median"] > 0 for figure in grid["tokens_per_second"].values())
     layouts = {row["layout"].split(" (")[0]: row for row in results["comm_model"]["models"][1]["layouts"]}
     assert layouts["HSDP"]["inter_bytes"] < layouts["DDP"]["inter_bytes"]  # the model's point, computed

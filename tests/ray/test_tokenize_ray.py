@@ -69,7 +69,7 @@ def test_bad_input_is_one_error_line_and_leaves_the_last_dataset_whole(ray_clust
     """A task meets a line that is not JSON: one ``error:`` line naming it, no traceback; the
     output keeps what an earlier run wrote, and nothing of this one."""
     out = tmp_path / "out"
-    common = ["tokenize", "--ray", "--output", str(out), "--block-size", "8", "--num-cpus", "1"]
+    common = ["tokenize", "--ray", "--output", str(out), "--block-size", "8"]
     assert main([*common, "--input", str(corpus / "a0.txt")]) == 0
     before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file()}
     assert "(1 shard)" in capsys.readouterr().out

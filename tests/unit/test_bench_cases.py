@@ -133,3 +133,31 @@ def test_the_bytes_handed_per_step_follow_each_layouts_calls():
     assert comm_agreement(comm) == pytest.approx(0.005)
     comm["pipeline"] = {"model": pipe, "measured": {**pipe, "broadcast": 4.0}}  # a call the model has not
     assert comm_agreement(comm) == 1.0
+
+
+def test_the_tokenize_corpus_is_real_text_cut_into_files_up_to_its_size(tmp_path):
+    from ray_jobs.bench.cases.tokenize import TOKENIZE_FILE_BYTES, write_corpus
+    from ray_jobs.bench.report_tokenize import tokenize_section
+
+    written = write_corpus(str(tmp_path), 2 * TOKENIZE_FILE_BYTES + 10)
+    files = sorted(tmp_path.iterdir())
+    assert [path.name for path in files[:2]] == ["part-0000.txt", "part-0001.txt"] and len(files) <= 3
+    assert all(path.stat().st_size >= TOKENIZE_FILE_BYTES for path in files[:-1])
+    assert written == sum(path.stat().st_size for path in files) >= 2 * TOKENIZE_FILE_BYTES + 10
+    assert "def " in files[0].read_text()
+
+    def figure(value: float) -> dict:
+        return {"median": value, "min": value, "max": value}
+
+    case = {
+        "corpus_bytes": written,
+        "block_size": 256,
+        "bpe_vocab": 1024,
+        "cluster_cpus": 2,
+        "tokens_per_second": {"bpe": {"single": figure(2e6), "ray_1": figure(1e6), "ray_2": figure(1.5e6)}},
+        "ray_2_over_ray_1": {"bpe": figure(1.5)},
+        "ray_2_over_single": {"bpe": figure(0.75)},
+        "identical_rows": True,
+    }
+    text = "\n".join(tokenize_section(case))
+    assert "| bpe       |       2,000 |        1,000 |         1,500 |       1.50 |" in text and "identical to" in text

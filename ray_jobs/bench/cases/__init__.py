@@ -22,6 +22,7 @@ from ray_jobs.bench.cases.pretrained import pretrained_case
 from ray_jobs.bench.cases.sharding import sharding_case
 from ray_jobs.bench.cases.stage_memory import stage_memory_case
 from ray_jobs.bench.cases.stream_ingest import stream_ingest_case
+from ray_jobs.bench.cases.tokenize import tokenize_case
 
 # The names ``--cases`` takes, in the order the cases run.
 CASES: dict[str, Callable[[Bench, dict[str, Any]], dict[str, Any]]] = {
@@ -36,6 +37,7 @@ CASES: dict[str, Callable[[Bench, dict[str, Any]], dict[str, Any]]] = {
     "pretrained": pretrained_case,
     "layouts": layouts_case,
     "checkpoint": checkpoint_case,
+    "tokenize": tokenize_case,
     "comm_model": comm_model_case,  # computed: measures nothing
     **GPU_CASES,  # --suite gpu's
 }
