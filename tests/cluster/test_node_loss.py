@@ -204,6 +204,55 @@ def test_elastic_ddp_shrinks_on_losing_a_node_and_grows_back_with_the_same_weigh
     assert_same_weights(load_weights(str(Path(cfg.storage_path) / cfg.name)), reference_for(cfg)[0])
 
 
+def test_tokenize_on_ray_loses_a_node_and_still_writes_the_single_processes_rows(cluster_state, tmp_path):
+    """``tokenize --ray`` as its own driver; a node running one of its Ray Data tasks is preempted
+    mid-way. Ray Data runs the lost tasks again on the nodes left, and the shards hold the one
+    process's rows in order. The node rejoins after, for the tests that follow."""
+    import io
+
+    from ray_jobs.bench.cases.tokenize import write_corpus
+    from ray_jobs.data import tokenized
+    from ray_jobs.data.parquet import read_dataset
+
+    assert len(alive_worker_nodes(cluster_state)) >= 2
+    corpus = tmp_path / "corpus"
+    write_corpus(str(corpus), 12_000_000)  # 12 files of ~1 MB: bpe takes a second or so a task here
+    flags = ["--block-size", "64", "--tokenizer", "bpe", "--vocab-size", "300", "--val-fraction", "0.1"]
+    tokenized.tokenize([str(corpus)], str(tmp_path / "one"), 64, kind="bpe", vocab_size=300, val_fraction=0.1,
+                       progress_out=io.StringIO())  # fmt: skip
+    env = {k: v for k, v in local.ray_env(cluster_state).items() if k != "RAY_API_SERVER_ADDRESS"}
+    command = [sys.executable, "-m", "ray_jobs.data", "tokenize", "--ray", "--address", cluster_state["address"]]
+    process = subprocess.Popen(
+        [*command, "--input", str(corpus), "--output", str(tmp_path / "ray"), *flags],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()
+    try:
+        wait_for(lambda: bool(nodes_running_a_task(cluster_state, "MapBatches")), process, lines)
+        victim = nodes_running_a_task(cluster_state, "MapBatches")[-1]
+        preempted = cluster_cli("preempt", "--state-dir", cluster_state["state_dir"], "--node", victim)
+        assert preempted.returncode == 0, preempted.stderr
+        assert process.wait(timeout=WAIT_S) == 0, "".join(lines)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, 9)
+    rejoined = cluster_cli("rejoin", "--state-dir", cluster_state["state_dir"], "--node", victim)
+    assert rejoined.returncode == 0, rejoined.stderr
+    for split in ("train", "val"):
+        expected = read_dataset(str(tmp_path / "one" / f"{split}.parquet")).features
+        assert (read_dataset(str(tmp_path / "ray" / split)).features == expected).all(), split
+
+
+def nodes_running_a_task(state: dict, name: str) -> list[str]:
+    """The worker nodes where a task whose name holds ``name`` runs now."""
+    ips = {n["node_id"]: n["node_ip"] for n in local.fetch_nodes(state) if not n["is_head_node"]}
+    tasks = local.fetch_nodes(state, "tasks")
+    return sorted(
+        {ips[t["node_id"]] for t in tasks if name in t["name"] and t["state"] == "RUNNING" and t["node_id"] in ips}
+    )
+
+
 def test_elastic_fsdp_goes_on_at_the_smaller_worker_count_after_losing_a_node(cluster_state, regression_data, tmp_path):
     """The lost worker's shards are gone with it: the run resumes from the last checkpoint's shards,
     resharded onto the workers left."""
