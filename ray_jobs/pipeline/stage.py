@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import socket
 import time
 from collections import deque
 from collections.abc import Callable
@@ -122,6 +121,7 @@ class StageWorker:
         self.loss_sum = torch.zeros(())
         self.timing = _new_timing()
         self.comm = CommBytes(cfg.count_comm_bytes)
+        self.store: dist.TCPStore | None = None  # p2p: rank 0's, where the stages' group meets
         torch.manual_seed(rank_seed(cfg.seed, self.grid.rank))  # this actor's dropout draws
 
     def node_id(self) -> str:
@@ -263,14 +263,17 @@ class StageWorker:
 
     # --- p2p transport: torch.distributed send/recv between the stage actors themselves ---
 
-    def rendezvous_address(self) -> str:
-        """A ``tcp://`` address on this actor's node for the stages' process group (stage 0 only)."""
-        with socket.socket() as probe:
-            # Bind to the node's own IP (never 0.0.0.0); the port is free for the few ms until
-            # init_process_group binds it.
-            ip = ray.util.get_node_ip_address()
-            probe.bind((ip, 0))
-            return f"tcp://{ip}:{probe.getsockname()[1]}"
+    def rendezvous_address(self, timeout_s: float) -> str:
+        """A ``tcp://`` address on this actor's node for the stages' process group (rank 0 only),
+        its store already listening: bound to a port the system picks, on the node's own IP (never
+        0.0.0.0). A port picked free and bound later can be taken in between by any connection
+        the node opens (seen once under load: the group never formed)."""
+        ip = ray.util.get_node_ip_address()
+        self.store = dist.TCPStore(
+            ip, 0, self.grid.world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )  # fmt: skip
+        return f"tcp://{ip}:{self.store.port}"
 
     @_described
     def join_group(self, address: str, schedule: str, timeout_s: float, replicas_backend: str = "gloo") -> None:
@@ -278,9 +281,11 @@ class StageWorker:
         replicas'); ``timeout_s`` bounds every receive, so a stage whose peer died fails instead
         of waiting for ever."""
         timeout, grid = datetime.timedelta(seconds=timeout_s), self.grid
-        dist.init_process_group(
-            "gloo", init_method=address, rank=grid.rank, world_size=grid.world_size, timeout=timeout
-        )
+        # Every rank passes a store: torch prefixes the keys of a store it makes from an init_method.
+        if self.store is None:  # a client of rank 0's
+            host, port = address.removeprefix("tcp://").rsplit(":", 1)
+            self.store = dist.TCPStore(host, int(port), grid.world_size, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=self.store, rank=grid.rank, world_size=grid.world_size, timeout=timeout)
         grid.join(timeout, replicas_backend)
         if grid.sharded:
             grid.shard(self.module, self.precision, self.device)

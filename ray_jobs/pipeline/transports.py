@@ -92,7 +92,7 @@ class P2P:
         self.actors, self.batches_per_call = actors, scaling.batches_per_call
         timeout = scaling.batch_timeout_s
         try:
-            address = ray.get(actors[0].rendezvous_address.remote(), timeout=timeout)
+            address = ray.get(actors[0].rendezvous_address.remote(timeout), timeout=timeout)
         except GetTimeoutError:
             raise TransportFailed(f"stage 0 gave no rendezvous address within --batch-timeout-s {timeout:g}") from None
         backend = replicas_backend(scaling)
