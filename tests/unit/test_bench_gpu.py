@@ -22,7 +22,7 @@ def test_the_gpu_cases_are_registered_for_the_gpu_suite_only():
         suite_cases("quick")
         == suite_cases("full")
         == ["data_parallel", "pipeline", "ingest", "stage_memory", "stream_ingest", "accumulation", "lm", "sharding"]
-        + ["pretrained", "layouts", "checkpoint", "comm_model"]
+        + ["pretrained", "layouts", "checkpoint", "tokenize", "comm_model"]
     )
     work = SUITES["gpu"].ddp  # issue #22's compute-bound MLP: 256 -> 2048 x6 -> 16, batch 4096
     assert (work.in_features, work.hidden, work.depth, work.out_features, work.batch_size) == (256, 2048, 7, 16, 4096)
