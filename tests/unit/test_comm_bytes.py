@@ -34,7 +34,7 @@ def test_calls_inside_a_step_are_counted_by_kind_and_ddp_buckets_through_its_hoo
             model(torch.ones(3, 8)).sum().backward()
             dist.all_reduce(tensor=torch.ones(10, dtype=torch.float64))  # by keyword, 8 bytes each
             out = torch.empty(6)
-            dist.all_gather_into_tensor(out, torch.ones(6))
+            dist.all_gather_single(out, torch.ones(6))
     per_step = counter.per_step()
     assert set(per_step) == set(KINDS)
     assert per_step["all_reduce"] == 36 * 4 + 10 * 8 and per_step["all_gather"] == 6 * 4
