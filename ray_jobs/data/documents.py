@@ -128,7 +128,8 @@ class Corpus:
     """Per file, the bad bytes (and lone surrogates) replaced by U+FFFD."""
 
     def __post_init__(self) -> None:
-        self.total_bytes = sum(file_size(path) for path in self.files)
+        self.sizes = {path: file_size(path) for path in self.files}  # asked once: a request each on a bucket
+        self.total_bytes = sum(self.sizes.values())
 
     def check(self) -> None:
         """Every Parquet file has a string text column: refused now, not after a BPE pass."""
@@ -153,7 +154,7 @@ class Corpus:
             return
         reader = {"parquet": self._parquet, "jsonl": self._json_lines, "text": self._text}[file_kind(path)]
         yield from reader(path)
-        self.done_bytes = start + file_size(path)
+        self.done_bytes = start + self.sizes[path]
 
     def sample(self, limit: int) -> Iterator[str]:
         """About ``limit`` bytes of the text, the same every time: all of it when it is no larger;
@@ -164,7 +165,7 @@ class Corpus:
             return
         self.restart()
         for path in self.files:
-            start, size = self.done_bytes, file_size(path)
+            start, size = self.done_bytes, self.sizes[path]
             for text, _ in self.file_pieces(path):
                 yield text
                 if self.done_bytes - start >= limit * size / self.total_bytes:
@@ -213,7 +214,7 @@ class Corpus:
 
     def _parquet(self, path: str, row_groups: list[int] | None = None) -> Iterator[tuple[str, bool]]:
         source = parquet_file(path)
-        total, done, start, size = source.metadata.num_rows, 0, self.done_bytes, file_size(path)
+        total, done, start, size = source.metadata.num_rows, 0, self.done_bytes, self.sizes[path]
         _text_field(path, self.text_column, source.schema_arrow)
         if row_groups is not None:  # progress by these groups' rows, their share of the file
             total = sum(source.metadata.row_group(group).num_rows for group in row_groups)

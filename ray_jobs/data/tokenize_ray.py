@@ -213,13 +213,8 @@ class ShardWriter:
     ``Shards.commit``; what ``TokenRows`` writes to (a ``pq.ParquetWriter``'s two members)."""
 
     def __init__(self, filesystem: pafs.FileSystem, directory: str, name: str, schema: pa.Schema, rows: int) -> None:
-        self.filesystem, self.directory, self.name, self.schema, self.shard_rows = (
-            filesystem,
-            directory,
-            name,
-            schema,
-            rows,
-        )
+        self.filesystem, self.directory, self.name = filesystem, directory, name
+        self.schema, self.shard_rows = schema, rows
         self.partials: list[str] = []
         self._stream = self._writer = None
         self._rows = 0
@@ -252,7 +247,6 @@ class Shards:
 
     def __init__(self, output: str, names: list[str], schema: pa.Schema, shard_rows: int) -> None:
         self.filesystem, self.root = storage.resolve(output)
-        self.names = names
         self.writers = [ShardWriter(self.filesystem, f"{self.root}/{n}", n, schema, shard_rows) for n in names]
         self.committed = False
         self.created: list[str] = []

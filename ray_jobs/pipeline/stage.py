@@ -301,10 +301,12 @@ class StageWorker:
         dispatch gap between batches (measured ~7 ms here) that every stage waits through;
         one tensor instead of a tensor per micro-batch because Ray pickles each tensor
         separately (measured: 64 of them took ~25 ms to submit)."""
-        return [
-            self.run_batch(microbatches(shard(batch, self.grid.num_replicas, self.grid.replica), self.num_microbatches))
-            for batch in batches
-        ]
+        losses = []
+        for batch in batches:
+            with self.comm.step():  # --count-comm-bytes: a batch is one optimizer step
+                rows = shard(batch, self.grid.num_replicas, self.grid.replica)
+                losses.append(self.run_batch(microbatches(rows, self.num_microbatches)))
+        return losses
 
     def run_batch(self, rows: list[torch.Tensor]) -> float:
         """One global batch: this stage's ops in schedule order, then the optimizer step.
@@ -316,26 +318,25 @@ class StageWorker:
         the CPU) on the pipeline's critical path. Time in gloo's send, receive-post and
         send-wait calls is recorded apart (``p2p_calls_s``): it is the transport's own cost.
         """
-        with self.comm.step():  # --count-comm-bytes
-            sends = []  # (work, tensor): the tensor must outlive its asynchronous send
-            receives = deque(op for op in self.ops if self._needs_input(op))
-            posted: deque = deque()
-            for index, op in enumerate(self.ops):
-                m, forward = op.microbatch, op.kind == FORWARD
-                if not forward:
-                    self.grid.before_backward(self.module, last=index == self.last_backward)
-                received = None
-                if self._needs_input(op):
-                    while receives and len(posted) < self.receives_ahead:
-                        posted.append(self._post_receive(receives.popleft(), rows))
-                    received = self._wait_receive(op, *posted.popleft())
-                out = self.forward(m, received, rows[m]) if forward else self.backward(m, received)
-                if out is not None:
-                    peer = self.grid.rank_of(self.stage_index + (1 if forward else -1))
-                    sends.append((self._gloo(CALLS, dist.isend, out, peer, tag=_tag(op, self.num_microbatches)), out))
-            for work, _ in sends:
-                self._gloo(CALLS, work.wait)
-            return self.step()
+        sends = []  # (work, tensor): the tensor must outlive its asynchronous send
+        receives = deque(op for op in self.ops if self._needs_input(op))
+        posted: deque = deque()
+        for index, op in enumerate(self.ops):
+            m, forward = op.microbatch, op.kind == FORWARD
+            if not forward:
+                self.grid.before_backward(self.module, last=index == self.last_backward)
+            received = None
+            if self._needs_input(op):
+                while receives and len(posted) < self.receives_ahead:
+                    posted.append(self._post_receive(receives.popleft(), rows))
+                received = self._wait_receive(op, *posted.popleft())
+            out = self.forward(m, received, rows[m]) if forward else self.backward(m, received)
+            if out is not None:
+                peer = self.grid.rank_of(self.stage_index + (1 if forward else -1))
+                sends.append((self._gloo(CALLS, dist.isend, out, peer, tag=_tag(op, self.num_microbatches)), out))
+        for work, _ in sends:
+            self._gloo(CALLS, work.wait)
+        return self.step()
 
     def _gloo(self, timing_key: str, call, *args, **kwargs):
         """A send, receive or wait, its duration added to ``timing_key``; its failure means a
