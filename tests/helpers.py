@@ -284,7 +284,7 @@ def predicts_the_model_in_input_order(base: str, query: str, task: str, num_work
     data = read_dataset(data_dir)
     expected = expected_predictions(model, data_dir)
     assert table.column_names[:2] == ["features", "target"]  # every input column kept
-    torch.testing.assert_close(torch.tensor(table.column("features").to_pylist()), torch.from_numpy(data.features))
+    torch.testing.assert_close(torch.tensor(table.column("features").to_pylist()), torch.tensor(data.features))
     if task == "classification":
         assert table.column("prediction").to_pylist() == expected.argmax(dim=1).tolist()
         probabilities = torch.tensor(table.column("probabilities").to_pylist())

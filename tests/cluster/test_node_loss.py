@@ -204,10 +204,41 @@ def test_elastic_ddp_shrinks_on_losing_a_node_and_grows_back_with_the_same_weigh
     assert_same_weights(load_weights(str(Path(cfg.storage_path) / cfg.name)), reference_for(cfg)[0])
 
 
+def test_elastic_fsdp_goes_on_at_the_smaller_worker_count_after_losing_a_node(cluster_state, regression_data, tmp_path):
+    """The lost worker's shards are gone with it: the run resumes from the last checkpoint's shards,
+    resharded onto the workers left."""
+    num_nodes = len(alive_worker_nodes(cluster_state))
+    cfg, flags = config(regression_data, tmp_path, "seed-mlp")
+    output = run_losing_a_node(
+        cluster_state,
+        tmp_path,
+        "fsdp",
+        "RayTrainWorker",
+        [*flags, "--num-workers", str(num_nodes), "--min-workers", "1"],
+    )
+    assert f"resuming from the checkpoint after epoch 1 on {num_nodes - 1} worker(s)" in output
+    record = summary_of(cfg)
+    assert record["strategy"] == "fsdp" and record["world_size"] == num_nodes - 1
+    assert record["world_sizes"] == [
+        {"num_workers": num_nodes, "epoch": 0, "step": 0},
+        {"num_workers": num_nodes - 1, "epoch": 1, "step": 0},
+    ]
+    # reduce-scatter over fewer workers sums in another order: the tolerance of every strategy's test
+    assert_same_weights(load_weights(str(Path(cfg.storage_path) / cfg.name)), reference_for(cfg)[0])
+    rejoin_lost_nodes(cluster_state)  # for the test that follows
+
+
+def rejoin_lost_nodes(state: dict) -> None:
+    for node in local.load_state(Path(state["state_dir"]))["nodes"]:
+        if node["ip"] != local.HEAD_NODE_IP and not local.group_alive(node):
+            rejoined = cluster_cli("rejoin", "--state-dir", state["state_dir"], "--node", node["ip"])
+            assert rejoined.returncode == 0, rejoined.stderr
+
+
 def test_tokenize_on_ray_loses_a_node_and_still_writes_the_single_processes_rows(cluster_state, tmp_path):
     """``tokenize --ray`` as its own driver; a node running one of its Ray Data tasks is preempted
     mid-way. Ray Data runs the lost tasks again on the nodes left, and the shards hold the one
-    process's rows in order. The node rejoins after, for the tests that follow."""
+    process's rows in order."""
     import io
 
     from ray_jobs.bench.cases.tokenize import write_corpus
@@ -237,8 +268,6 @@ def test_tokenize_on_ray_loses_a_node_and_still_writes_the_single_processes_rows
     finally:
         if process.poll() is None:
             os.killpg(process.pid, 9)
-    rejoined = cluster_cli("rejoin", "--state-dir", cluster_state["state_dir"], "--node", victim)
-    assert rejoined.returncode == 0, rejoined.stderr
     for split in ("train", "val"):
         expected = read_dataset(str(tmp_path / "one" / f"{split}.parquet")).features
         assert (read_dataset(str(tmp_path / "ray" / split)).features == expected).all(), split
@@ -251,26 +280,3 @@ def nodes_running_a_task(state: dict, name: str) -> list[str]:
     return sorted(
         {ips[t["node_id"]] for t in tasks if name in t["name"] and t["state"] == "RUNNING" and t["node_id"] in ips}
     )
-
-
-def test_elastic_fsdp_goes_on_at_the_smaller_worker_count_after_losing_a_node(cluster_state, regression_data, tmp_path):
-    """The lost worker's shards are gone with it: the run resumes from the last checkpoint's shards,
-    resharded onto the workers left."""
-    num_nodes = len(alive_worker_nodes(cluster_state))
-    cfg, flags = config(regression_data, tmp_path, "seed-mlp")
-    output = run_losing_a_node(
-        cluster_state,
-        tmp_path,
-        "fsdp",
-        "RayTrainWorker",
-        [*flags, "--num-workers", str(num_nodes), "--min-workers", "1"],
-    )
-    assert f"resuming from the checkpoint after epoch 1 on {num_nodes - 1} worker(s)" in output
-    record = summary_of(cfg)
-    assert record["strategy"] == "fsdp" and record["world_size"] == num_nodes - 1
-    assert record["world_sizes"] == [
-        {"num_workers": num_nodes, "epoch": 0, "step": 0},
-        {"num_workers": num_nodes - 1, "epoch": 1, "step": 0},
-    ]
-    # reduce-scatter over fewer workers sums in another order: the tolerance of every strategy's test
-    assert_same_weights(load_weights(str(Path(cfg.storage_path) / cfg.name)), reference_for(cfg)[0])
