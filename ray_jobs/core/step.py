@@ -45,9 +45,13 @@ def loss_function(task: str) -> nn.Module:
 
 
 def build_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """``foreach``: one multi-tensor op per update term instead of a loop over the parameters, as
+    torch already does on GPU. On CPU its weights are bit-identical to the loop's (AdamW and SGD,
+    20 steps, measured), and the step takes 0.6x the time on FSDP's DTensor shards (the loop pays
+    DTensor's dispatch per parameter per op; docs/performance.md)."""
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=True)
 
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -1,8 +1,8 @@
 """Fully sharded data parallel (FSDP2, ``torch.distributed.fsdp.fully_shard``) on a Ray Train worker.
 
 Every rank holds 1/N of each parameter, of its gradient and of the optimizer state; a group's
-weights are all-gathered just before its forward (and again in backward) and freed after, and its
-gradients are reduce-scattered. The model is unchanged: ``fully_shard`` goes on each top-level
+weights are all-gathered while the group before it computes (and again in backward) and freed
+after, and its gradients are reduce-scattered. The model is unchanged: ``fully_shard`` goes on each top-level
 child and on the root. Checkpoints are sharded with ``torch.distributed.checkpoint`` (each rank
 writes its own part; a resume at any worker count reshards them). The run's final weights are
 written the same way, each rank its slices as safetensors, and consolidated by the driver
@@ -122,6 +122,18 @@ def _read_rows(handle, info, first_row: int, local: torch.Tensor) -> None:
         local.copy_(torch.frombuffer(into, dtype=dtype).view(local.shape))
 
 
+def prefetch_neighbours(root: nn.Module, units: list[nn.Module], device: torch.device) -> None:
+    """Each group's forward starts the next group's all-gather, and its backward the previous
+    group's, so the gather runs while this group computes (``units`` in forward order; a wrong
+    order costs memory, never correctness). On CPU an all-gather overlaps only when issued
+    asynchronously (gloo's own thread): CUDA's FSDP2 streams do it there, so CPU alone is told to."""
+    if device.type == "cpu":
+        root._set_unshard_async_op(True)  # FSDP2's documented switch; torch keeps it private for now
+    for before, after in zip(units, units[1:]):
+        before.set_modules_to_forward_prefetch([after])
+        after.set_modules_to_backward_prefetch([before])
+
+
 class Shards(Replicas):
     """How FSDP holds the model; the worker loop calls it as it calls ``Replicas``."""
 
@@ -135,8 +147,9 @@ class Shards(Replicas):
 
     def wrap(self, model: nn.Module, device: torch.device, precision: str) -> nn.Module:
         """``fully_shard`` each ``shard_units`` child, then the root, over one mesh of every rank
-        (``mesh``). The returned module is ``model`` itself, its parameters now DTensor shards:
-        build the optimizer after this."""
+        (``mesh``); the last group is not resharded after forward, and each group prefetches its
+        neighbour's all-gather (``prefetch_neighbours``). The returned module is ``model`` itself,
+        its parameters now DTensor shards: build the optimizer after this."""
         if device.type == "cuda":
             # Each rank's collectives on its own GPU: an FSDP2 run that left the current device
             # at cuda:0 hung in a barrier under TorchTrainer (ray-project/ray#57860).
@@ -150,9 +163,14 @@ class Shards(Replicas):
             "reshard_after_forward": self.reshard_after_forward,
             "mp_policy": MixedPrecisionPolicy(**precision_dtypes(precision)),
         }
-        for name in shard_units(model):
-            fully_shard(model.get_submodule(name), **options)
-        return fully_shard(model, **options)
+        units = [model.get_submodule(name) for name in shard_units(model)]
+        for index, unit in enumerate(units):
+            # The last group's backward follows its forward at once: gathering it again would be waste.
+            kept = index == len(units) - 1 or not self.reshard_after_forward
+            fully_shard(unit, **{**options, "reshard_after_forward": not kept})
+        wrapped = fully_shard(model, **options)
+        prefetch_neighbours(wrapped, units, device)
+        return wrapped
 
     def mesh(self, device: torch.device):
         """Every rank in one dimension (FSDP); with ``shard_group_size`` K below the world size N, a

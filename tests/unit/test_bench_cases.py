@@ -114,13 +114,13 @@ def test_the_bytes_handed_per_step_follow_each_layouts_calls():
     from ray_jobs.bench.cases.comm_model import Params, handed
     from ray_jobs.bench.cases.layouts import comm_agreement
 
-    # Two block weights of 5 rows (padded to 6 over 2 shards), a root embedding of 4 rows.
-    params = Params(units=((5, 10), (5, 5)), root=((4, 8),))
-    assert params.count == 23 and params.padded(2) == 12 + 6 + 8 and params.padded(2, "units") == 18
+    # Two block weights of 5 rows (padded to 6 over 2 shards), a kept (root or last unit's) embedding of 4 rows.
+    params = Params(resharded=((5, 10), (5, 5)), kept=((4, 8),))
+    assert params.count == 23 and params.padded(2) == 12 + 6 + 8 and params.padded(2, "resharded") == 18
     ddp = handed("ddp", params, 4, batch_rows=8, row_activation=3)
     assert ddp["all_reduce"] == 4 * 23 * 4 and not ddp["send"] and not ddp["all_gather"]
     hsdp = handed("hsdp", params, 4, 8, 3)
-    assert hsdp["all_gather"] == 4 * (2 * 18 + 8) * 4  # the units gathered twice, the root once
+    assert hsdp["all_gather"] == 4 * (2 * 18 + 8) * 4  # resharded groups gathered twice, kept ones once
     assert hsdp["reduce_scatter"] == 4 * 26 * 4 and hsdp["all_reduce"] == 4 * 13 * 4
     pipe = handed("pipeline", params, 4, 8, 3)  # 3 cuts, 8 rows of 3 each way
     assert pipe["send"] == pipe["recv"] == 2 * 3 * 8 * 3 * 4 and not pipe["all_reduce"]

@@ -139,20 +139,21 @@ def layouts(model: Transformer, nodes: int = NODES, per_node: int = GPUS_PER_NOD
 @dataclass(frozen=True)
 class Params:
     """A model's parameters as FSDP2 sees them: each one's (first dimension, element count), in the
-    groups of its ``shard_units`` (gathered twice a step when resharded after forward) and in the
-    root's (gathered once: FSDP2 does not reshard its root after forward)."""
+    groups resharded after forward (gathered twice a step) and in those kept to backward (gathered
+    once: the root's own, as FSDP2 keeps its root, and the last ``shard_units`` group, whose
+    backward follows its forward at once; ``sharding.Shards.wrap``)."""
 
-    units: tuple[tuple[int, int], ...]
-    root: tuple[tuple[int, int], ...]
+    resharded: tuple[tuple[int, int], ...]
+    kept: tuple[tuple[int, int], ...]
 
     @property
     def count(self) -> int:
-        return sum(n for _, n in self.units + self.root)
+        return sum(n for _, n in self.resharded + self.kept)
 
     def padded(self, shards: int, part: str = "all") -> int:
         """Elements once each parameter's first dimension is padded to a multiple of ``shards``,
         as FSDP2 shards it (``torch.chunk``'s even chunks)."""
-        params = {"units": self.units, "root": self.root, "all": self.units + self.root}[part]
+        params = {"resharded": self.resharded, "kept": self.kept, "all": self.resharded + self.kept}[part]
         return sum(math.ceil(dim0 / shards) * shards * (n // dim0) for dim0, n in params)
 
 
@@ -170,7 +171,7 @@ def handed(
         bytes_["all_reduce"] = processes * params.count * element
     elif layout == "hsdp":
         shards = processes // 2
-        gathered = 2 * params.padded(shards, "units") + params.padded(shards, "root")
+        gathered = 2 * params.padded(shards, "resharded") + params.padded(shards, "kept")
         bytes_["all_gather"] = processes * gathered * element
         bytes_["reduce_scatter"] = processes * params.padded(shards) * element
         bytes_["all_reduce"] = processes * params.padded(shards) / shards * element  # each shard, across groups

@@ -102,11 +102,12 @@ def _params(cfg) -> Params:
     from ray_jobs.driver.prepare import load_data
 
     model = meta_model(cfg, load_data(cfg))
-    in_units = {id(p) for name in shard_units(model) for p in model.get_submodule(name).parameters()}
+    *resharded, last = [model.get_submodule(name) for name in shard_units(model)]
+    in_resharded = {id(p) for unit in resharded for p in unit.parameters()}
     shapes: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
-    for param in model.parameters():  # each shared parameter once
-        shapes[id(param) in in_units].append((param.shape[0] if param.dim() else 1, param.numel()))
-    return Params(units=tuple(shapes[True]), root=tuple(shapes[False]))
+    for param in model.parameters():  # each shared parameter once; the last unit's and the root's are kept
+        shapes[id(param) in in_resharded].append((param.shape[0] if param.dim() else 1, param.numel()))
+    return Params(resharded=tuple(shapes[True]), kept=tuple(shapes[False]))
 
 
 def comm_agreement(comm: dict[str, dict[str, dict[str, float]]]) -> float:
