@@ -1,6 +1,7 @@
 """``--activation-checkpointing``: recompute each top-level block's forward in backward instead of
-keeping its activations; and the one count of the bytes autograd holds for backward, which tells
-what checkpointing and ``--grad-accum-steps`` save, on any device (CPU has no allocator statistics).
+keeping its activations; ``--compile``: each block's forward compiled; and the one count of the
+bytes autograd holds for backward, which tells what checkpointing and ``--grad-accum-steps`` save,
+on any device (CPU has no allocator statistics).
 
 Pure torch, used inside every strategy's process: a DDP or FSDP worker, a pipeline stage.
 """
@@ -29,6 +30,22 @@ def checkpoint_activations(model: nn.Module, children: list[tuple[str, nn.Module
         if next(child.parameters(), None) is None:
             continue  # an activation or a dropout: nothing to save by recomputing it alone
         child.forward = functools.partial(checkpoint, child.forward, use_reentrant=False, preserve_rng_state=True)
+        names.append(name)
+    return names
+
+
+def compile_blocks(model: nn.Module, children: list[tuple[str, nn.Module]] | None = None) -> list[str]:
+    """``--compile``: each block's ``forward`` (``children``, by default ``model``'s top-level ones
+    with parameters) replaced on the instance by its ``torch.compile``d self, as
+    ``checkpoint_activations`` replaces it (call this after it, so the recompute is compiled too).
+    A block, not the whole model: the hooks a wrapper sets around ``__call__`` (FSDP's all-gathers,
+    DDP's) stay outside the graph, as torchtitan compiles each block, and parameter names and
+    ``state_dict`` keys are unchanged, so checkpoints are eager's. Returns the blocks' names."""
+    names = []
+    for name, child in model.named_children() if children is None else children:
+        if next(child.parameters(), None) is None:
+            continue
+        child.forward = torch.compile(child.forward)
         names.append(name)
     return names
 

@@ -1,5 +1,5 @@
 """``TrainConfig``'s flags for the optimization: epochs and batch, the optimizer and its LR schedule,
-accumulation and clipping, precision and activation checkpointing (``TrainingFlags``)."""
+accumulation and clipping, precision, activation checkpointing and compiling (``TrainingFlags``)."""
 
 from __future__ import annotations
 
@@ -81,6 +81,16 @@ class TrainingFlags:
             "one GPU's peak TFLOPS at --precision, for a language model's MFU in the summary",
             "training",
             "the known GPUs' data-sheet figures; none on CPU",
+        ),
+    )
+    compile: bool = field(
+        default=False,
+        metadata=flag_doc(
+            "torch.compile each block's forward (the gpt's blocks, a Hugging Face model's decoder layers, another "
+            "model's top-level children) in every worker and stage; the first steps compile, reported apart as "
+            "the summary's compile_seconds; the same checkpoints and outputs, weights within float tolerance "
+            "of eager's (inductor on CPU needs a C compiler)",
+            "training",
         ),
     )
     count_comm_bytes: bool = field(

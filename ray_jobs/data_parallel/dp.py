@@ -40,6 +40,11 @@ class DataParallelScaling:
         """One worker takes the whole global batch, so any batch size works."""
         require_gpu_for_fp16(cfg, self.gpus > 0, "--gpus")
         require_accumulation_fits(cfg, 1)
+        if cfg.compile and self.gpus > 1:
+            raise ValueError(
+                "--compile with dp on more than one GPU: DataParallel copies the model onto each GPU at every "
+                "forward, and each block's compiled forward stays bound to the first copy; use ddp"
+            )
 
     def workers(self) -> WorkerScaling:
         gpus = float(self.gpus) if self.gpus else None

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ray_jobs.core.activations import checkpoint_activations
+from ray_jobs.core.activations import checkpoint_activations, compile_blocks
 from ray_jobs.core.batches import global_batches, shard, shard_weight
 from ray_jobs.core.checkpoint import (
     TrainState,
@@ -37,6 +37,7 @@ from ray_jobs.core.evaluation import Validation, combine, is_best, progress, wri
 from ray_jobs.core.failure_record import record_failure
 from ray_jobs.core.lr_schedule import lr_schedule
 from ray_jobs.core.model_init import SafetensorsInit, make_model, meta_model
+from ray_jobs.core.shard_plan import shard_units
 from ray_jobs.core.step import (
     build_optimizer,
     grad_scaler,
@@ -129,6 +130,8 @@ def _build(loop: LoopConfig, cfg: TrainConfig, dataset, device: torch.device) ->
         model.to(device)
     if cfg.activation_checkpointing:
         checkpoint_activations(model)
+    if cfg.compile:  # each group FSDP gathers (the same blocks for DDP), so its hooks stay outside the graph
+        compile_blocks(model, [(name, model.get_submodule(name)) for name in shard_units(model)])
     if isinstance(initial, SafetensorsInit):
         return model, loop.wrap.wrap_from_slices(model, initial, device, cfg.precision)
     return model, loop.wrap.wrap(model, device, cfg.precision)

@@ -67,6 +67,7 @@ OPERATIONAL = (
     "activation_checkpointing",  # recomputes the same activations: the same weights
     "peak_tflops",
     "count_comm_bytes",  # counts the calls, changes none
+    "compile",  # the same computation, to float tolerance
 )
 
 

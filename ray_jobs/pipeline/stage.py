@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.experimental import implicit_replication
 
-from ray_jobs.core.activations import checkpoint_activations
+from ray_jobs.core.activations import checkpoint_activations, compile_blocks
 from ray_jobs.core.batches import microbatches, shard
 from ray_jobs.core.checkpoint import (
     TrainState,
@@ -102,8 +102,11 @@ class StageWorker:
         own = meta_stages(cfg, dataset, num_stages, model_factory, unit_costs, real_buffers=True)[stage_index]
         self.module = materialize(own, self.device)
         self.module.load_state_dict(initial_slice)
-        if cfg.activation_checkpointing:  # each of this stage's top-level blocks, or decoder layers
-            checkpoint_activations(self.module, getattr(self.module, "checkpoint_units", lambda: None)())
+        blocks = getattr(self.module, "checkpoint_units", lambda: None)()  # or the stage's top-level children
+        if cfg.activation_checkpointing:
+            checkpoint_activations(self.module, blocks)
+        if cfg.compile:
+            compile_blocks(self.module, blocks)
         self.optimizer = build_optimizer(self.module.parameters(), cfg)
         # The LR of each optimizer step, counted over the run as the workers count it: a restore
         # sets where this stage's count resumes.

@@ -170,11 +170,13 @@ def test_activation_checkpointing_trains_the_reference_weights(ray_cluster, tmp_
     assert_trains_the_reference(run_strategy(strategy, cfg, **options), cfg)
 
 
-def test_fsdp_trains_the_gpt_language_model_with_checkpointed_blocks(ray_cluster, tmp_path):
-    """The GPT's blocks each an FSDP group (embed and head too), every block recomputed in
-    backward, on 4 workers as HSDP (2 groups of 2 shards, a cosine schedule and a clip): the
-    single-process reference's weights. SGD: AdamW's normalisation would amplify the float-order
-    noise of a transformer's reductions past the tolerance."""
+def test_fsdp_trains_the_gpt_language_model_with_compiled_checkpointed_blocks(ray_cluster, tmp_path):
+    """The GPT's blocks each an FSDP group (embed and head too), each prefetching the next one's
+    weights, every block compiled (``--compile``) and recomputed in backward, on 4 workers as HSDP
+    (2 groups of 2 shards, a cosine schedule and a clip): the eager single-process reference's
+    weights (inductor's fused kernels round differently: 1e-8 on this gpt in one process, within
+    the tolerance). SGD: AdamW's normalisation would amplify the float-order noise of a
+    transformer's reductions past the tolerance."""
     import pyarrow as pa
 
     from ray_jobs.data.parquet import write_table
@@ -193,6 +195,7 @@ def test_fsdp_trains_the_gpt_language_model_with_checkpointed_blocks(ray_cluster
         lr=0.1,
         momentum=0.9,
         activation_checkpointing=True,
+        compile=True,
         lr_schedule="cosine",
         warmup_steps=2,
         grad_clip_norm=1.0,

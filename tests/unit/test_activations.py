@@ -113,3 +113,19 @@ def test_model_state_bytes_counts_parameters_gradients_and_optimizer_state_once_
     optimizer.step()
     # AdamW: two moments of 16 floats, and its step count (a 0-d float32 tensor)
     assert model_state_bytes(model, optimizer) == {"parameters": 64, "gradients": 64, "optimizer": 132, "total": 260}
+
+
+def test_compile_blocks_compiles_each_blocks_forward_and_keeps_every_name(monkeypatch):
+    """The instance's forward is replaced, so state_dict keys (and checkpoints) are eager's; a
+    block without parameters is left alone. torch.compile itself is stood in for: compiling
+    takes seconds, and the Ray tests train compiled blocks to the eager reference."""
+    from ray_jobs.core.activations import compile_blocks
+
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn: compiled.append(fn) or fn)
+    model = build_model("gpt", 16, 16, n_layer=2, n_head=2, n_embd=8, block_size=4)
+    keys = list(model.state_dict())
+    assert compile_blocks(model) == ["embed", "block_0", "block_1", "head"]
+    assert list(model.state_dict()) == keys and len(compiled) == 4
+    holder = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    assert compile_blocks(holder) == ["0"]

@@ -200,3 +200,9 @@ def test_a_run_record_without_settings_is_one_line(tmp_path, capsys):
         f"error: {run_dir / 'run.json'} is not a raypar run record (no settings): restore it, or start "
         "the run under a new --name"
     ]
+
+
+def test_dp_refuses_compile_on_several_gpus_in_one_line(capsys):
+    assert dp.main(["--compile", "--gpus", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --compile with dp on more than one GPU")
