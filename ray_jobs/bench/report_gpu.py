@@ -12,6 +12,7 @@ def gpu_sections(results: dict[str, Any]) -> list[str]:
         _data_parallel(results.get("gpu_data_parallel"))
         + _precision(results.get("gpu_precision"))
         + _pipeline(results.get("gpu_pipeline"))
+        + _lm(results.get("gpu_lm"))
     )
 
 
@@ -86,4 +87,36 @@ def _pipeline(case: dict[str, Any] | None) -> list[str]:
         f"{workload_line(case['workload'])}.",
         "",
         markdown_table(["schedule", "transport", "samples/s", "/ sequential"], rows),
+    ]
+
+
+def _lm(case: dict[str, Any] | None) -> list[str]:
+    if not case:
+        return []
+    work, n = case["workload"], case["num_gpus"]
+    names = {"raypar_ddp": "raypar DDP", "torch_ddp": "torch DDP (spawn, nccl)", "raypar_fsdp": "raypar FSDP"}
+    peak = case["peak_tflops_per_gpu"]
+    return [
+        "",
+        f"## GPU 4. A GPT-2-small shape in bf16 on {n} GPU(s): tokens/s and MFU",
+        "",
+        f"`gpt` {work['n_layer']} x {work['n_embd']}, {work['n_head']} heads, T = {work['block_size']}, byte "
+        f"tokens of the standard library's sources, global batch {work['batch_size']} rows, bf16. MFU: tokens/s x "
+        f"{case['flops_per_token'] / 1e6:,.0f} MFLOPs a token (6N + 12LCT) over "
+        + (f"{peak:g} TFLOPS per GPU (bf16, the data sheet's)." if peak else "no known peak for this card."),
+        "",
+        markdown_table(
+            ["side", "tokens/s", "MFU"],
+            [
+                [
+                    name,
+                    fmt(case["tokens_per_second"][side]),
+                    fmt(case["mfu"][side], ".1%") if case["mfu"][side] else "-",
+                ]
+                for side, name in names.items()
+            ],
+        ),
+        "",
+        f"raypar DDP / torch DDP: {fmt(case['ddp_over_torch'], '.3f')}; raypar FSDP / raypar DDP: "
+        f"{fmt(case['fsdp_over_ddp'], '.3f')}.",
     ]

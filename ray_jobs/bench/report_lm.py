@@ -45,6 +45,7 @@ def lm_section(lm: dict[str, Any] | None) -> list[str]:
                 ],
             ],
         ),
+        *_compile_lines(lm.get("compile")),
         "",
         markdown_table(
             ["pipeline schedule", "tokens/s", "vs sequential", "vs single process", "bubble", "bubble theory"],
@@ -60,5 +61,23 @@ def lm_section(lm: dict[str, Any] | None) -> list[str]:
                 for r in pipe["schedules"]
             ]
             + [["single process, whole gpt", fmt(pipe["single_process_tokens_per_second"]), "-", "-", "-", "-"]],
+        ),
+    ]
+
+
+def _compile_lines(compiled: dict[str, Any] | None) -> list[str]:
+    if not compiled:
+        return []
+    seconds = compiled["compile_seconds"]
+    return [
+        "",
+        f"`--compile` (each block's forward through torch.compile, inductor): raypar DDP at "
+        f"{fmt(compiled['compiled_tokens_per_second'])} steady tokens/s against "
+        f"{fmt(compiled['eager_tokens_per_second'])} eager, **{fmt(compiled['tokens_per_second_ratio'], '.2f')}x**; "
+        + (
+            f"compiling took {fmt(seconds, '.1f')} s of the first epoch (its excess over a steady epoch, less "
+            "eager's), apart from the steady figure."
+            if seconds
+            else "one epoch per run: no compile time apart."
         ),
     ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ray_jobs.bench.report_tables import fmt, markdown_table, workload_line
+from ray_jobs.bench.report_tables import fmt, markdown_table
 
 KIB = 1024
 
@@ -22,16 +22,18 @@ def sharding_section(case: dict[str, Any] | None) -> list[str]:
                 + [fmt(case["samples_per_second"][strategy]) if rank == 0 else ""]
             )
     activations = case["activations"]
-    gpt = activations["gpt"]
+    gpt, work = activations["gpt"], case["workload"]
     return [
         "",
         f"## 8. Sharded data parallel: FSDP beside DDP, {n} workers, AdamW",
         "",
-        f"{workload_line(case['workload'])}, AdamW. Model state: the bytes each worker holds after its last step "
-        "in its parameters, gradients and optimizer state, counted from its own tensors (an FSDP parameter's "
-        "local shard; each storage once), not RSS; DDP's gradient buckets (one more copy of the gradients) "
-        f"are not counted. FSDP holds {case['model_state_ratio']:.3f} of DDP's per worker (1/{n} would be "
-        f"{1 / n:.3f}); its samples/s are {fmt(case['samples_per_second_ratio'], '.2f')} of DDP's.",
+        f"`gpt` {work['n_layer']} layers, {work['n_head']} heads, width {work['n_embd']}, T = {work['block_size']}, "
+        f"on {work['rows']:,} rows of byte tokens, global batch {work['batch_size']} rows, {work['epochs']} epochs "
+        f"of {work['rows'] // work['batch_size']} steps, AdamW. Model state: the bytes each worker holds after its "
+        "last step in its parameters, gradients and optimizer state, counted from its own tensors (an FSDP "
+        "parameter's local shard; each storage once), not RSS; DDP's gradient buckets (one more copy of the "
+        f"gradients) are not counted. FSDP holds {case['model_state_ratio']:.3f} of DDP's per worker (1/{n} would "
+        f"be {1 / n:.3f}); its samples/s are {fmt(case['samples_per_second_ratio'], '.2f')} of DDP's.",
         "",
         markdown_table(
             [
@@ -44,6 +46,24 @@ def sharding_section(case: dict[str, Any] | None) -> list[str]:
                 "samples/s",
             ],
             rows,
+        ),
+        "",
+        "FSDP's samples/s over DDP's against the gpt's width (the same layers, tokens and batch): the wider, "
+        "the more a step's compute outweighs FSDP's three collectives per block.",
+        "",
+        markdown_table(
+            ["width", "parameters", "DDP samples/s", "FSDP samples/s", "FSDP / DDP", "FSDP model state / DDP's"],
+            [
+                [
+                    width["n_embd"],
+                    f"{width['parameters']:,}",
+                    fmt(width["samples_per_second"]["ddp"]),
+                    fmt(width["samples_per_second"]["fsdp"]),
+                    fmt(width["samples_per_second_ratio"], ".2f"),
+                    f"{width['model_state_ratio']:.3f}",
+                ]
+                for width in case.get("widths", [])
+            ],
         ),
         "",
         f"Activation memory, one process: `gpt` {gpt['n_layer']} layers, {gpt['n_head']} heads, width "

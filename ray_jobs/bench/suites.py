@@ -149,6 +149,20 @@ class Suite:
     fp32), written locally from its config: each worker's memory at start, ddp against fsdp. None:
     not run (the smoke suite: a tiny checkpoint shows nothing of memory)."""
     """The sharding case's GPT: activation memory with and without --activation-checkpointing."""
+    # 8 rows of 128 tokens per worker and step: at width 256 a step's compute (~0.3 s on one thread
+    # here) outweighs its collectives, as on a GPU at scale; at width 64 they weigh most.
+    sharding: LmWorkload = LmWorkload(
+        n_layer=6, n_head=4, n_embd=256, block_size=128, rows=128, batch_size=16, epochs=3
+    )
+    """The sharding case's gpt: FSDP beside DDP on 2 workers, AdamW, at each of ``sharding_widths``
+    (widest last: its figures are the case's, judged against the target)."""
+    sharding_widths: tuple[int, ...] = (64, 128, 256)
+    # GPT-2 small's shape (12 x 768, T = 1024) on byte tokens: 85M parameters; 16 rows a step per GPU.
+    gpu_lm: LmWorkload = LmWorkload(
+        n_layer=12, n_head=12, n_embd=768, block_size=1024, rows=1024, batch_size=16, epochs=3
+    )
+    """The GPU lm case's gpt (``--suite gpu``): tokens/s and MFU in bf16, ddp, its torch peer and fsdp;
+    ``rows`` and ``batch_size`` per GPU (the case multiplies them by the GPU count)."""
     checkpoint: Workload | None = Workload(
         "mlp", 2048, 9, rows=1024, in_features=8, out_features=8, batch_size=32, epochs=4
     )
@@ -276,6 +290,8 @@ SUITES: dict[str, Suite] = {
         lm=LmWorkload(n_layer=2, n_head=2, n_embd=32, block_size=16, rows=128, batch_size=16, epochs=2),
         lm_repetitions=1,
         gpt=GPTShape(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, batch_size=4),
+        sharding=LmWorkload(n_layer=2, n_head=2, n_embd=32, block_size=16, rows=64, batch_size=16, epochs=2),
+        sharding_widths=(32,),
         pretrained=None,
         checkpoint=Workload("mlp", 64, 3, rows=64, in_features=8, out_features=8, batch_size=32, epochs=3),
         tokenize_bytes=400_000,

@@ -70,6 +70,7 @@ def test_the_smoke_suite_runs_every_case_end_to_end(ray_cluster, tmp_path):
 
     sharding = results["sharding"]  # FSDP beside DDP: each worker holds a part of the model state
     assert sharding["num_workers"] == 2 and 0 < sharding["model_state_ratio"] < 1
+    assert [width["n_embd"] for width in sharding["widths"]] == [32]  # the gpt, at the smoke suite's one width
     assert all(
         worker["optimizer"] > 0 for side in sharding["model_state_bytes"].values() for worker in side
     )  # AdamW's moments counted

@@ -146,9 +146,12 @@ def test_the_sharding_section_shows_each_workers_model_state_and_judges_fsdp_aga
         return {"parameters": total // 4, "gradients": total // 4, "optimizer": total // 2, "total": total}
 
     gpt = {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 64, "batch_size": 4}
-    work = {"model": "mlp", "hidden": 8, "depth": 3, "in_features": 4, "out_features": 2, "rows": 64}
+    work = {"model": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "rows": 64}
+    speeds = {"ddp": stats([1000.0, 1100.0]), "fsdp": stats([900.0, 950.0])}
+    width = {"n_embd": 32, "parameters": 30_000, "samples_per_second": speeds, "model_state_ratio": 0.5}
     case = {
         "workload": {**work, "batch_size": 16, "epochs": 2, "optimizer": "adamw", "lr": 1e-3},
+        "widths": [{**width, "samples_per_second_ratio": ratio(speeds["fsdp"], speeds["ddp"])}],
         "num_workers": 2,
         "model_state_bytes": {"ddp": [held(4096), held(4096)], "fsdp": [held(2048), held(2048)]},
         "model_state_ratio": 0.5,
@@ -171,6 +174,9 @@ def test_the_sharding_section_shows_each_workers_model_state_and_judges_fsdp_aga
     assert re.search(r"\| FSDP model state per worker / DDP's +\| <= 1.1/N \(0.550\) +\| +0.50 \| met +\|", text)
     assert re.search(r"\| FSDP samples/s / DDP's +\| >= 0.8x +\| .* \| met +\|", text)
     assert "Checkpointing holds 0.125 of the activations" in text
+    assert re.search(
+        r"\| +32 \| +30,000 \| 1,050 \(1,000–1,100\) \| +925 \(900–950\) \| 0.88 \(0.82–0.95\) \| +0.500 \|", text
+    )
 
 
 def test_the_layouts_section_puts_every_layout_beside_ddp():

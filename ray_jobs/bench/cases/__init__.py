@@ -13,7 +13,8 @@ from ray_jobs.bench.cases.checkpoint import checkpoint_case
 from ray_jobs.bench.cases.comm_model import comm_model_case
 from ray_jobs.bench.cases.common import Bench
 from ray_jobs.bench.cases.data_parallel import data_parallel_cases
-from ray_jobs.bench.cases.gpu import GPU_CASES
+from ray_jobs.bench.cases.gpu import GPU_CASES as DATA_PARALLEL_GPU_CASES
+from ray_jobs.bench.cases.gpu_lm import gpu_lm_case
 from ray_jobs.bench.cases.ingest import ingest_case
 from ray_jobs.bench.cases.layouts import layouts_case
 from ray_jobs.bench.cases.lm import lm_case
@@ -23,6 +24,8 @@ from ray_jobs.bench.cases.sharding import sharding_case
 from ray_jobs.bench.cases.stage_memory import stage_memory_case
 from ray_jobs.bench.cases.stream_ingest import stream_ingest_case
 from ray_jobs.bench.cases.tokenize import tokenize_case
+
+GPU_CASES = {**DATA_PARALLEL_GPU_CASES, "gpu_lm": gpu_lm_case}
 
 # The names ``--cases`` takes, in the order the cases run.
 CASES: dict[str, Callable[[Bench, dict[str, Any]], dict[str, Any]]] = {

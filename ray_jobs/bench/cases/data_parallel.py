@@ -4,6 +4,7 @@ workers (scaling), and DataParallel against DDP on one node."""
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from dataclasses import asdict
 from typing import Any
@@ -26,6 +27,7 @@ def raypar_data_parallel(
     work: Workload | LmWorkload | None = None,
     data: str | None = None,
     grad_accum_steps: int = 1,
+    compile: bool = False,
 ) -> dict[str, Any]:
     """One DDP (or DataParallel, on ``num_workers`` CPUs, or GPUs with ``use_gpu``) fit of ``work``
     on ``data`` (by default the suite's DDP workload and data); start-up is wall minus loop time.
@@ -35,9 +37,10 @@ def raypar_data_parallel(
     work, data = work or bench.suite.ddp, data or bench.ddp_data
     label = (
         f"{strategy}{num_workers}{'-gpu' if use_gpu else ''}{f'-k{grad_accum_steps}' if grad_accum_steps > 1 else ''}"
+        f"{'-compiled' if compile else ''}"
     )
     cfg = bench.config(work, data, label)
-    cfg = dataclasses.replace(cfg, precision=precision, grad_accum_steps=grad_accum_steps)
+    cfg = dataclasses.replace(cfg, precision=precision, grad_accum_steps=grad_accum_steps, compile=compile)
     if epochs is not None:
         cfg = dataclasses.replace(cfg, epochs=epochs, checkpoint_every=epochs)
     prepared = prepare(cfg, strategy)
@@ -59,6 +62,8 @@ def raypar_data_parallel(
         "startup_s": wall - sum(epochs),
         "first_step_s": summary.extra["first_step_at"] - began_at,
         "after_loop_s": wall - (summary.extra["first_step_at"] - began_at) - sum(epochs),
+        # What the first epoch takes beyond a steady one: warm-up, and with --compile the compiling.
+        "first_epoch_excess_s": epochs[0] - statistics.median(epochs[1:]) if len(epochs) > 1 else None,
         "peak_rss_bytes": max(summary.extra["worker_peak_rss_bytes"]),
         "final_loss": summary.losses[-1],
         **({"epoch_losses": summary.losses} if use_gpu else {}),

@@ -3,7 +3,8 @@ tokens/s. Raypar DDP against the plain torch.distributed peer (``peer.torch_ddp`
 initial weights, tokens, global batch and token cross-entropy), and the actor pipeline (GPipe and
 1F1B) against its sequential schedule (one micro-batch at a time through the same stage actors)
 and against the whole gpt in one process (the peer with one process and one thread), their runs
-interleaved.
+interleaved; and raypar DDP with ``--compile`` against itself eager: steady tokens/s, and the
+compiling's seconds apart.
 
 Tokens/s is samples/s times T: every row holds T input positions, each one predicted."""
 
@@ -21,7 +22,7 @@ import pyarrow as pa
 from ray_jobs.bench.cases.common import Bench
 from ray_jobs.bench.cases.data_parallel import max_workers, raypar_data_parallel
 from ray_jobs.bench.cases.pipeline import THREADS_PER_STAGE, run_pipeline
-from ray_jobs.bench.stats import ratio, summarise
+from ray_jobs.bench.stats import ratio, stats, summarise
 from ray_jobs.bench.suites import PIPELINE_TRANSPORT, LmWorkload
 from ray_jobs.data.parquet import TOKENS_COLUMN, VOCAB_SIZE_KEY, write_table
 
@@ -72,7 +73,8 @@ def lm_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
     while num_workers > 1 and work.batch_size % num_workers:
         num_workers -= 1
     m = suite.target_microbatches
-    raw: dict[str, list[dict]] = {side: [] for side in ("raypar", "torch", "single_process", *LM_SCHEDULES)}
+    sides = ("raypar", "torch", "raypar_compiled", "single_process", *LM_SCHEDULES)
+    raw: dict[str, list[dict]] = {side: [] for side in sides}
     for rep in range(suite.lm_repetitions):
         bench.measure(
             raw["raypar"],
@@ -82,6 +84,12 @@ def lm_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
         )
         bench.measure(
             raw["torch"], f"lm: torch DDP {num_workers} processes", rep, lambda: bench.peer(work, data, num_workers, 1)
+        )
+        bench.measure(
+            raw["raypar_compiled"],
+            f"lm: raypar DDP {num_workers} workers, --compile",
+            rep,
+            lambda: raypar_data_parallel(bench, "ddp", num_workers, work=work, data=data, compile=True),
         )
         bench.measure(
             raw["single_process"],
@@ -117,6 +125,9 @@ def lm_figures(
             "raypar_peak_rss_bytes": summarise(raw["raypar"])["peak_rss_bytes"],
             "torch_peak_rss_bytes": summarise(raw["torch"])["peak_rss_bytes"],
         },
+        "compile": compile_figures(raw["raypar_compiled"], raw["raypar"], work.block_size)
+        if raw.get("raypar_compiled")
+        else None,
         "pipeline": {
             "num_stages": num_stages,
             "num_microbatches": num_microbatches,
@@ -134,4 +145,22 @@ def lm_figures(
             ],
         },
         "raw": raw,
+    }
+
+
+def compile_figures(compiled: list[dict], eager: list[dict], block_size: int) -> dict[str, Any]:
+    """``--compile`` beside eager, each a list of runs: steady tokens/s, and the seconds the
+    compiling took, the first epoch's excess over a steady one less eager's excess (its warm-up)."""
+    compiled_tokens = per_token(summarise(compiled)["samples_per_second"], block_size)
+    eager_tokens = per_token(summarise(eager)["samples_per_second"], block_size)
+    excess = [
+        run["first_epoch_excess_s"] - peer["first_epoch_excess_s"]
+        for run, peer in zip(compiled, eager)
+        if run["first_epoch_excess_s"] is not None and peer["first_epoch_excess_s"] is not None
+    ]
+    return {
+        "compiled_tokens_per_second": compiled_tokens,
+        "eager_tokens_per_second": eager_tokens,
+        "tokens_per_second_ratio": ratio(compiled_tokens, eager_tokens),
+        "compile_seconds": stats(excess) if excess else None,
     }
