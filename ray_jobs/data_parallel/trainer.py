@@ -25,7 +25,7 @@ from ray_jobs.data.stream import reader_stats, stream_reader
 from ray_jobs.data_parallel.worker import LoopConfig, train_loop_per_worker
 from ray_jobs.data_parallel.wrap import Replicas
 from ray_jobs.driver import interrupts
-from ray_jobs.driver.connect import WORKER_ENV
+from ray_jobs.driver.connect import WORKER_ENV, ray_started_here
 from ray_jobs.driver.outputs import finish, finish_trained
 from ray_jobs.driver.prepare import PreparedRun
 from ray_jobs.driver.resources import Request, gpu_sharing, wait_for_bundles
@@ -214,16 +214,23 @@ def _controller_env(defaults: dict[str, str]):
 
 
 class _Trainer(TorchTrainer):
-    """``TorchTrainer`` less the Ray Data actor it starts for every fit: raypar hands Ray Train no
-    dataset (the data travels through the object store or raypar's own reader), yet Ray Train 2.60
-    starts a ``DatasetManager`` actor per fit all the same, a process of its own that costs ~1.2
-    CPU-seconds (docs/performance.md). With no dataset there is nothing for it to serve."""
+    """``TorchTrainer`` less two actors it starts for every fit, each a process of its own
+    (docs/performance.md):
+    - a ``DatasetManager`` (~1.2 CPU-seconds): raypar hands Ray Train no dataset (the data travels
+      through the object store or raypar's own reader), so there is nothing for it to serve;
+    - on a local Ray this process started, the ``PlacementGroupCleaner`` (~1.6 CPU-seconds): it
+      frees a run's placement group should the controller die unannounced, and that Ray, with
+      every placement group on it, ends with this process anyway. On a cluster joined by address
+      it stays."""
 
     def _create_default_callbacks(self):
         from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
-        callbacks = super()._create_default_callbacks()
-        return callbacks if self.datasets else [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+        dropped = (DatasetsCallback,) if not self.datasets else ()
+        if ray_started_here():
+            dropped += (PlacementGroupCleanerCallback,)
+        return [c for c in super()._create_default_callbacks() if not isinstance(c, dropped)]
 
 
 def _fit_interruptibly(trainer: TorchTrainer):

@@ -18,6 +18,7 @@ PROBE_TIMEOUT_S = 5.0
 # How long ray.init may take once the port answered: ~10 s here for a healthy cluster; what hangs
 # past this is a port that is not a Ray GCS (the dashboard's 8265, another service).
 JOIN_TIMEOUT_S = 20.0
+_started_here = False  # whether this process started the Ray it is connected to (``start_local``)
 
 
 def connect(address: str | None = None) -> None:
@@ -147,12 +148,20 @@ def start_local(**init_options: Any) -> str:
             log_to_driver=True,
             **init_options,
         )
+        global _started_here
+        _started_here = True
     finally:
         if previous is None:
             os.environ.pop(API_SERVER_VARIABLE)
         else:
             os.environ[API_SERVER_VARIABLE] = previous
     return url
+
+
+def ray_started_here() -> bool:
+    """Whether this process started the local Ray it is connected to: that Ray, and everything
+    placed on it, ends when this process does."""
+    return _started_here and ray.is_initialized()
 
 
 def _free_port() -> int:

@@ -14,3 +14,17 @@ def test_a_fit_without_a_ray_dataset_starts_no_dataset_manager():
     trainer = _Trainer(lambda: None, scaling_config=ScalingConfig(num_workers=1))
     kinds = {type(callback) for callback in trainer._create_default_callbacks()}
     assert DatasetsCallback not in kinds and len(kinds) > 2  # the others kept
+
+
+def test_the_placement_group_cleaner_goes_only_on_a_ray_this_process_started(monkeypatch):
+    """The cleaner frees a run's placement group if its controller dies unannounced: needed on a
+    cluster joined by address, not on a local Ray that ends with this process."""
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    from ray_jobs.data_parallel import trainer as module
+
+    for started_here in (False, True):
+        monkeypatch.setattr(module, "ray_started_here", lambda started_here=started_here: started_here)
+        trainer = _Trainer(lambda: None, scaling_config=ScalingConfig(num_workers=1))
+        kinds = {type(callback) for callback in trainer._create_default_callbacks()}
+        assert (PlacementGroupCleanerCallback in kinds) is not started_here
