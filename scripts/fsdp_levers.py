@@ -31,6 +31,7 @@ VARIANTS = (
     "fsdp+last-kept+prefetch",
     "fsdp+last-kept+prefetch+foreach",  # raypar's FSDP
     "fsdp+last-kept+prefetch+fused",  # not bit-identical to torch's default AdamW
+    "fsdp+all-kept+prefetch+foreach",  # --no-reshard-after-forward
 )
 
 
@@ -44,7 +45,7 @@ def build(variant: str, args: argparse.Namespace) -> tuple[torch.nn.Module, torc
         units = [model.get_submodule(name) for name in shard_units(model)]
         for index, unit in enumerate(units):
             last = index == len(units) - 1
-            fully_shard(unit, reshard_after_forward=not (last and "last-kept" in variant))
+            fully_shard(unit, reshard_after_forward=not ((last and "last-kept" in variant) or "all-kept" in variant))
         fully_shard(model)
         if "prefetch" in variant:
             model._set_unshard_async_op(True)

@@ -11,11 +11,14 @@ interleaved.
 
 Cases: DDP overhead (raypar vs torch.multiprocessing + gloo), DDP scaling, the actor pipeline
 (schedules, micro-batches, transports, bubble, transfer cost), DataParallel vs DDP, data ingest,
-pipeline stage memory, streaming ingest, gradient accumulation (``--grad-accum-steps`` 4 vs 1), and
-a language model (the built-in gpt in tokens/s: DDP vs the peer, the pipeline vs its sequential
-schedule). The peers run at the niceness of Ray's workers.
+pipeline stage memory, streaming ingest, gradient accumulation (``--grad-accum-steps`` 4 vs 1), a
+language model (the built-in gpt in tokens/s: DDP vs the peer, ``--compile`` vs eager, the pipeline
+vs its sequential schedule), FSDP vs DDP on the gpt across widths, the pretrained start, the 2-D
+layouts, checkpoint stalls (sync vs async) and ``tokenize --ray``. The peers run at the niceness of
+Ray's workers.
 ``--suite gpu`` (CUDA only; one ``error:`` line without it): DDP over 1..N GPUs vs the plain loop
-and plain nccl DDP, DataParallel vs DDP, fp32 vs bf16, the pipeline over GPUs (``cases/gpu.py``).
+and plain nccl DDP, DataParallel vs DDP, fp32 vs bf16, the pipeline over GPUs (``cases/gpu.py``),
+and a GPT-2-small shape in bf16, tokens/s and MFU, ddp vs its peer and fsdp (``cases/gpu_lm.py``).
 """
 
 from __future__ import annotations

@@ -141,6 +141,10 @@ class Suite:
     divides by ``ddp_workers`` and by ``target_microbatches``."""
     lm_repetitions: int
     """Runs of each side of the language-model case (each run's epochs after the first are its repetitions)."""
+    lm_ddp_pairs: int = 5
+    """Runs of its DDP pair (raypar and the torch peer, alternating): its goal asks for the median of 5."""
+    lm_compile: bool = True
+    """Whether the language-model case also runs raypar DDP with ``--compile`` (inductor: ~30 s to compile here)."""
     gpt: GPTShape = GPTShape(n_layer=6, n_head=4, n_embd=256, block_size=256, vocab_size=512, batch_size=8)
     pretrained: GPTShape | None = GPTShape(
         n_layer=12, n_head=12, n_embd=768, block_size=8, vocab_size=50257, batch_size=4
@@ -264,6 +268,7 @@ SUITES: dict[str, Suite] = {
         accum=Workload("mlp", 64, 2, rows=1024, in_features=8, out_features=2, batch_size=256, epochs=1),
         lm=LmWorkload(n_layer=2, n_head=2, n_embd=32, block_size=16, rows=128, batch_size=64, epochs=1),  # not run
         lm_repetitions=1,
+        lm_ddp_pairs=1,
     ),
     "smoke": Suite(
         name="smoke",
@@ -289,6 +294,8 @@ SUITES: dict[str, Suite] = {
         accum=Workload("mlp", 32, 3, rows=512, in_features=8, out_features=4, batch_size=64, epochs=2),
         lm=LmWorkload(n_layer=2, n_head=2, n_embd=32, block_size=16, rows=128, batch_size=16, epochs=2),
         lm_repetitions=1,
+        lm_ddp_pairs=1,
+        lm_compile=False,  # the Ray tests train compiled blocks; its figures are compile_figures' (unit-tested)
         gpt=GPTShape(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, batch_size=4),
         sharding=LmWorkload(n_layer=2, n_head=2, n_embd=32, block_size=16, rows=64, batch_size=16, epochs=2),
         sharding_widths=(32,),

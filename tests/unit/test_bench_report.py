@@ -114,8 +114,12 @@ def test_render_puts_the_lm_case_in_tokens_per_second_beside_its_peers():
         "sequential": [{"samples_per_second": [40.0], **pipe}],
         "gpipe": [{"samples_per_second": [80.0], **pipe}],
         "1f1b": [{"samples_per_second": [60.0], **pipe}],
+        # --compile: the first epochs 30 s and 31 s longer than a steady one, eager's 1 s and 2 s.
+        "raypar_compiled": [{"samples_per_second": [147.0], "first_epoch_excess_s": x} for x in (31.0, 31.0)],
     }
+    raw["raypar"] = [{**raw["raypar"][0], "first_epoch_excess_s": x} for x in (1.0, 2.0)]
     results = {"suite": "quick", "seconds": 1.0, "plots": "none", "lm": lm_figures(raw, work, 2, 2, 4)}
+    assert results["lm"]["compile"]["compile_seconds"] == stats([30.0, 29.0])
     results["machine"] = {"cpu_count": 2, "torch": "t", "ray": "r", "python": "p", "platform": "x"}
     results["targets"] = targets(results)
     text = render(results)
@@ -123,6 +127,9 @@ def test_render_puts_the_lm_case_in_tokens_per_second_beside_its_peers():
     assert re.search(r"\| steady tokens/s \(epoch loops only\) +\| +1,568 \| +1,600 \| +0.980 \|", text)
     assert re.search(r"\| gpipe +\| +1,280 \| +2.00 \| +1.60 \| +0.250 \| +0.200 \|", text)
     assert re.search(r"\| single process, whole gpt +\| +800 \|", text)
+    assert (
+        "raypar DDP at 2,352 steady tokens/s against 1,568 eager, **1.50x**; compiling took 29.5 (29.0–30.0) s" in text
+    )
     assert re.search(r"\| lm gpt DDP 2 workers tokens/s, raypar / torch +\| >= 0.97x +\| +0.98 \| met +\|", text)
     assert re.search(r"\| lm gpt pipeline 1f1b S=2 M=4 / sequential tokens/s +\| >= 1.5x +\| +1.50 \| met +\|", text)
 
