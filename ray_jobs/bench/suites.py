@@ -153,10 +153,10 @@ class Suite:
     fp32), written locally from its config: each worker's memory at start, ddp against fsdp. None:
     not run (the smoke suite: a tiny checkpoint shows nothing of memory)."""
     """The sharding case's GPT: activation memory with and without --activation-checkpointing."""
-    # 8 rows of 128 tokens per worker and step: at width 256 a step's compute (~0.3 s on one thread
+    # 16 rows of 128 tokens per worker and step: at width 256 a step's compute (~0.55 s on one thread
     # here) outweighs its collectives, as on a GPU at scale; at width 64 they weigh most.
     sharding: LmWorkload = LmWorkload(
-        n_layer=6, n_head=4, n_embd=256, block_size=128, rows=128, batch_size=16, epochs=3
+        n_layer=6, n_head=4, n_embd=256, block_size=128, rows=256, batch_size=32, epochs=4
     )
     """The sharding case's gpt: FSDP beside DDP on 2 workers, AdamW, at each of ``sharding_widths``
     (widest last: its figures are the case's, judged against the target)."""
