@@ -162,10 +162,14 @@ def test_fsdp_bf16_matches_the_bf16_reference(ray_cluster, tmp_path, regression_
 @pytest.mark.parametrize("strategy", ["ddp", "pipeline"])  # fsdp's: the GPT test below checkpoints every block
 def test_activation_checkpointing_trains_the_reference_weights(ray_cluster, tmp_path, regression_data, strategy):
     """Each top-level block recomputed in backward: the same weights as the reference (which
-    keeps its activations), to the tolerance of the strategy without checkpointing."""
+    keeps its activations), to the tolerance of the strategy without checkpointing. The pipeline's
+    stages also compile their blocks (``--compile``; fsdp's: the GPT test below)."""
     from ray_jobs.pipeline.scaling import PipelineScaling
 
-    cfg = mlp_config(regression_data, tmp_path, epochs=2, seed=2, momentum=0.9, activation_checkpointing=True)
+    compiled = strategy == "pipeline"
+    cfg = mlp_config(
+        regression_data, tmp_path, epochs=2, seed=2, momentum=0.9, activation_checkpointing=True, compile=compiled
+    )
     options = {"scaling": PipelineScaling(num_stages=2)} if strategy == "pipeline" else {"num_workers": 2}
     assert_trains_the_reference(run_strategy(strategy, cfg, **options), cfg)
 
