@@ -87,9 +87,9 @@ class TrainingFlags:
         default=False,
         metadata=flag_doc(
             "torch.compile each block's forward (the gpt's blocks, a Hugging Face model's decoder layers, another "
-            "model's top-level children) in every worker and stage; the first steps compile, reported apart as "
-            "the summary's compile_seconds; the same checkpoints and outputs, weights within float tolerance "
-            "of eager's (inductor on CPU needs a C compiler)",
+            "model's top-level children) in every worker and stage; the first epoch's first steps compile (the "
+            "bench reports that time apart from steady throughput); the same checkpoints and outputs, weights "
+            "within float tolerance of eager's (inductor on CPU needs a C compiler)",
             "training",
         ),
     )

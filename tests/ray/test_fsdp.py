@@ -159,19 +159,18 @@ def test_fsdp_bf16_matches_the_bf16_reference(ray_cluster, tmp_path, regression_
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=2e-3, msg=key)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "pipeline"])  # fsdp's: the GPT test below checkpoints every block
-def test_activation_checkpointing_trains_the_reference_weights(ray_cluster, tmp_path, regression_data, strategy):
-    """Each top-level block recomputed in backward: the same weights as the reference (which
-    keeps its activations), to the tolerance of the strategy without checkpointing. The pipeline's
-    stages also compile their blocks (``--compile``; fsdp's: the GPT test below)."""
+def test_pipeline_stages_with_checkpointed_compiled_blocks_train_the_reference_weights(
+    ray_cluster, tmp_path, regression_data
+):
+    """Each stage's top-level blocks recomputed in backward and compiled (``--compile``): the same
+    weights as the reference (which keeps its activations, eager), to the pipeline's tolerance.
+    ddp's checkpointing: an equivalence case (tests/ray/test_equivalence.py); fsdp's: the GPT below."""
     from ray_jobs.pipeline.scaling import PipelineScaling
 
-    compiled = strategy == "pipeline"
     cfg = mlp_config(
-        regression_data, tmp_path, epochs=2, seed=2, momentum=0.9, activation_checkpointing=True, compile=compiled
+        regression_data, tmp_path, epochs=2, seed=2, momentum=0.9, activation_checkpointing=True, compile=True
     )
-    options = {"scaling": PipelineScaling(num_stages=2)} if strategy == "pipeline" else {"num_workers": 2}
-    assert_trains_the_reference(run_strategy(strategy, cfg, **options), cfg)
+    assert_trains_the_reference(run_strategy("pipeline", cfg, scaling=PipelineScaling(num_stages=2)), cfg)
 
 
 def test_fsdp_trains_the_gpt_language_model_with_compiled_checkpointed_blocks(ray_cluster, tmp_path):
