@@ -111,7 +111,7 @@ def _lm(case: dict[str, Any] | None) -> list[str]:
                 [
                     name,
                     fmt(case["tokens_per_second"][side]),
-                    fmt(case["mfu"][side], ".1%") if case["mfu"][side] else "-",
+                    fmt(case["mfu"][side], ".1%"),
                 ]
                 for side, name in names.items()
             ],

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -25,13 +25,11 @@ def checkpoint_activations(model: nn.Module, children: list[tuple[str, nn.Module
     ``state_dict`` keys and the hooks a wrapper sets around ``__call__`` (FSDP's all-gather, DDP's)
     stay as they were. ``children``: the blocks to run so, by name, when not ``model``'s own (a
     Hugging Face pipeline stage's decoder layers). Returns the children's names."""
-    names = []
-    for name, child in model.named_children() if children is None else children:
-        if next(child.parameters(), None) is None:
-            continue  # an activation or a dropout: nothing to save by recomputing it alone
-        child.forward = functools.partial(checkpoint, child.forward, use_reentrant=False, preserve_rng_state=True)
-        names.append(name)
-    return names
+    return _replace_forwards(
+        model,
+        children,
+        lambda forward: functools.partial(checkpoint, forward, use_reentrant=False, preserve_rng_state=True),
+    )
 
 
 def compile_blocks(model: nn.Module, children: list[tuple[str, nn.Module]] | None = None) -> list[str]:
@@ -41,11 +39,20 @@ def compile_blocks(model: nn.Module, children: list[tuple[str, nn.Module]] | Non
     A block, not the whole model: the hooks a wrapper sets around ``__call__`` (FSDP's all-gathers,
     DDP's) stay outside the graph, as torchtitan compiles each block, and parameter names and
     ``state_dict`` keys are unchanged, so checkpoints are eager's. Returns the blocks' names."""
+    return _replace_forwards(model, children, torch.compile)
+
+
+def _replace_forwards(
+    model: nn.Module, children: list[tuple[str, nn.Module]] | None, wrap: Callable[[Callable], Callable]
+) -> list[str]:
+    """Each block's ``forward`` (``children``, else ``model``'s top-level ones) set on the instance
+    to ``wrap`` of itself; a child without parameters (an activation, a dropout) is left alone:
+    there is nothing to gain by wrapping it alone. Returns the blocks' names."""
     names = []
     for name, child in model.named_children() if children is None else children:
         if next(child.parameters(), None) is None:
             continue
-        child.forward = torch.compile(child.forward)
+        child.forward = wrap(child.forward)
         names.append(name)
     return names
 

@@ -74,7 +74,7 @@ def lm_throughput(
     if not samples_per_second or block_size is None:
         return {}
     tokens = samples_per_second * block_size
-    mfu = tokens * flops / (peak * 1e12 * num_workers) if flops and peak else None
+    mfu = model_flops_utilisation(tokens, flops, peak, num_workers) if flops and peak else None
     return {"tokens_per_second": tokens, "tokens_per_second_per_worker": tokens / num_workers, "mfu": mfu}
 
 
@@ -84,3 +84,9 @@ def throughput_text(samples_per_second: float, block_size: int | None, num_worke
         return ""
     tokens = samples_per_second * block_size
     return f"  {tokens:,.0f} tokens/s ({tokens / num_workers:,.0f} per worker)"
+
+
+def model_flops_utilisation(tokens_per_second: float, flops: float, peak: float, num_gpus: int) -> float:
+    """The share of ``num_gpus`` GPUs' peak (``peak`` TFLOPS each) that ``tokens_per_second`` at
+    ``flops`` training FLOPs a token achieves."""
+    return tokens_per_second * flops / (peak * 1e12 * num_gpus)

@@ -176,21 +176,27 @@ def test_pipeline_stage_node_lost_with_room_left_is_replaced(cluster_state, regr
     assert_same_weights(load_weights(str(Path(cfg.storage_path) / cfg.name)), reference_for(cfg)[0])
 
 
+def run_elastic_losing_a_node(
+    state: dict, data: str, tmp_path: Path, strategy: str, *flags: str, rejoin: bool = False
+) -> tuple[int, TrainConfig, str]:
+    """An elastic ``strategy`` run of the seed mlp, a worker per live worker node and at least one,
+    that loses a node after epoch 1 (``run_losing_a_node``) and goes on at one worker fewer.
+    Returns the node count it started on, its config and its output."""
+    num_nodes = len(alive_worker_nodes(state))
+    cfg, common = config(data, tmp_path, "seed-mlp")
+    elastic = [*common, "--num-workers", str(num_nodes), "--min-workers", "1", *flags]
+    output = run_losing_a_node(state, tmp_path, strategy, "RayTrainWorker", elastic, rejoin=rejoin)
+    assert f"resuming from the checkpoint after epoch 1 on {num_nodes - 1} worker(s)" in output
+    return num_nodes, cfg, output
+
+
 def test_elastic_ddp_shrinks_on_losing_a_node_and_grows_back_with_the_same_weights(
     cluster_state, regression_data, tmp_path
 ):
     # After the pipeline test: 2 nodes, so 2 -> 1 -> 2 workers; alone: 3 -> 2 -> 3 (16 rows as 6, 5, 5).
-    num_nodes = len(alive_worker_nodes(cluster_state))
-    cfg, flags = config(regression_data, tmp_path, "seed-mlp")
-    output = run_losing_a_node(
-        cluster_state,
-        tmp_path,
-        "ddp",
-        "RayTrainWorker",
-        [*flags, "--num-workers", str(num_nodes), "--min-workers", "1", "--resize-interval", "1"],
-        rejoin=True,
+    num_nodes, cfg, output = run_elastic_losing_a_node(
+        cluster_state, regression_data, tmp_path, "ddp", "--resize-interval", "1", rejoin=True
     )
-    assert f"resuming from the checkpoint after epoch 1 on {num_nodes - 1} worker(s)" in output
     assert f"resuming from the checkpoint after epoch 2 on {num_nodes} worker(s)" in output
     record = summary_of(cfg)
     assert record["world_sizes"] == [
@@ -207,16 +213,7 @@ def test_elastic_ddp_shrinks_on_losing_a_node_and_grows_back_with_the_same_weigh
 def test_elastic_fsdp_goes_on_at_the_smaller_worker_count_after_losing_a_node(cluster_state, regression_data, tmp_path):
     """The lost worker's shards are gone with it: the run resumes from the last checkpoint's shards,
     resharded onto the workers left."""
-    num_nodes = len(alive_worker_nodes(cluster_state))
-    cfg, flags = config(regression_data, tmp_path, "seed-mlp")
-    output = run_losing_a_node(
-        cluster_state,
-        tmp_path,
-        "fsdp",
-        "RayTrainWorker",
-        [*flags, "--num-workers", str(num_nodes), "--min-workers", "1"],
-    )
-    assert f"resuming from the checkpoint after epoch 1 on {num_nodes - 1} worker(s)" in output
+    num_nodes, cfg, _ = run_elastic_losing_a_node(cluster_state, regression_data, tmp_path, "fsdp")
     record = summary_of(cfg)
     assert record["strategy"] == "fsdp" and record["world_size"] == num_nodes - 1
     assert record["world_sizes"] == [

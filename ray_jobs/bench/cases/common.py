@@ -61,17 +61,17 @@ class Bench:
         self.runs += 1
         return f"bench-{os.getpid()}-{self.runs:03d}-{label}"
 
-    def fit_workers(self, cfg: TrainConfig, strategy: str, num_workers: int):
-        """``cfg`` trained by ddp or fsdp on ``num_workers`` Ray Train workers, its run directory
-        removed after; the run's ``TrainSummary``."""
+    def fit_workers(self, cfg: TrainConfig, strategy: str, num_workers: int, use_gpu: bool = False):
+        """``cfg`` trained by ddp or fsdp on ``num_workers`` Ray Train workers (a GPU each with
+        ``use_gpu``), its run directory removed after; the run's ``TrainSummary``."""
         from ray_jobs import ddp
         from ray_jobs.data_parallel import fsdp
 
         prepared = prepare(cfg, strategy)
         if strategy == "fsdp":
-            summary = fsdp.run(prepared, fsdp.ShardedScaling(num_workers=num_workers))
+            summary = fsdp.run(prepared, fsdp.ShardedScaling(num_workers=num_workers, use_gpu=use_gpu))
         else:
-            summary = ddp.run(prepared, WorkerScaling(num_workers=num_workers))
+            summary = ddp.run(prepared, WorkerScaling(num_workers=num_workers, use_gpu=use_gpu))
         self.clean(prepared.run_dir)
         return summary
 

@@ -19,8 +19,10 @@ from ray_jobs.bench.cases.gpu import require_gpus
 from ray_jobs.bench.cases.lm import per_token, write_lm_tokens
 from ray_jobs.bench.stats import ratio, steady, summarise
 from ray_jobs.bench.suites import LmWorkload
+from ray_jobs.observability.throughput import flops_per_token, model_flops_utilisation, peak_tflops
 
 PRECISION = "bf16"
+FIGURE = ("median", "min", "max")
 
 
 def gpu_lm_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
@@ -64,7 +66,7 @@ def gpu_lm_figures(
     def mfu(figure: dict[str, Any]) -> dict[str, Any] | None:
         if peak is None:
             return None
-        return {k: v * flops / (peak * 1e12 * num_gpus) for k, v in figure.items() if k in ("median", "min", "max")}
+        return {k: model_flops_utilisation(v, flops, peak, num_gpus) for k, v in figure.items() if k in FIGURE}
 
     return {
         "workload": {**asdict(work), "precision": PRECISION},
@@ -80,20 +82,14 @@ def gpu_lm_figures(
 
 
 def _fsdp(bench: Bench, work: LmWorkload, data: str, num_gpus: int) -> dict[str, Any]:
-    from ray_jobs.data_parallel import fsdp
-    from ray_jobs.driver.prepare import prepare
-
     cfg = dataclasses.replace(bench.config(work, data, f"fsdp{num_gpus}-gpu"), precision=PRECISION)
-    prepared = prepare(cfg, "fsdp")
-    summary = fsdp.run(prepared, fsdp.ShardedScaling(num_workers=num_gpus, use_gpu=True))
-    bench.clean(prepared.run_dir)
+    summary = bench.fit_workers(cfg, "fsdp", num_gpus, use_gpu=True)
     return {"samples_per_second": steady(summary.extra["epoch_seconds"], work.samples_per_epoch)}
 
 
 def _flops_per_token(bench: Bench, work: LmWorkload, data: str) -> float:
     from ray_jobs.core.model_init import meta_model
     from ray_jobs.driver.prepare import load_data
-    from ray_jobs.observability.throughput import flops_per_token
 
     cfg = bench.config(work, data, "flops")
     model = meta_model(cfg, load_data(cfg))
@@ -102,7 +98,5 @@ def _flops_per_token(bench: Bench, work: LmWorkload, data: str) -> float:
 
 def _peak() -> float | None:
     import torch
-
-    from ray_jobs.observability.throughput import peak_tflops
 
     return peak_tflops(torch.cuda.get_device_name(0), PRECISION) if torch.cuda.is_available() else None
