@@ -12,26 +12,17 @@ With R = 1 there are no subgroups and nothing here communicates.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ray_jobs.core.checkpoint import load_named_optimizer_state, named_optimizer_state
 from ray_jobs.core.shard_plan import precision_dtypes, shard_units
 
 STAGE_SHARDINGS = ("none", "fsdp")  # --stage-sharding
-FULL = StateDictOptions(full_state_dict=True)
 
 
 class Grid:
@@ -88,6 +79,9 @@ class Grid:
         R copies; each keeps 1/R of the stage's weights, gradients and optimizer state (build the
         optimizer after this). Not resharded after forward: every micro-batch's backward would
         gather the weights again (torchtitan's choice for pipelined FSDP)."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
         mesh = DeviceMesh.from_group(self.replicas, device.type)
         options = {
             "mesh": mesh,
@@ -97,6 +91,14 @@ class Grid:
         for name in shard_units(module):
             fully_shard(module.get_submodule(name), **options)
         fully_shard(module, **options)
+
+    def plain_scalars(self):
+        """Where a plain tensor may meet a sharded stage's gradients (DTensors): the clip's total."""
+        if not self.sharded:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        return implicit_replication()
 
     def before_backward(self, module: nn.Module, last: bool) -> None:
         """Sharded: the micro-batches before a batch's last add to unsharded gradients with the
@@ -137,8 +139,10 @@ class Grid:
         if not self.sharded:
             weights = {k: v.detach().cpu() for k, v in module.state_dict().items()}
             return weights, named_optimizer_state(optimizer, dict(module.named_parameters()))
-        weights = {k: v.cpu() for k, v in get_model_state_dict(module, options=FULL).items()}
-        optimizer_state = get_optimizer_state_dict(module, optimizer, options=FULL)
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        weights = {k: v.cpu() for k, v in get_model_state_dict(module, options=_full()).items()}
+        optimizer_state = get_optimizer_state_dict(module, optimizer, options=_full())
         return (weights, optimizer_state) if self.replica == 0 else ({}, {})
 
     def restore(
@@ -149,10 +153,20 @@ class Grid:
             module.load_state_dict(weights)
             load_named_optimizer_state(optimizer, dict(module.named_parameters()), optimizer_state)
             return
-        set_model_state_dict(module, weights, options=FULL)
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        set_model_state_dict(module, weights, options=_full())
         if _holds_tensors(optimizer_state.get("state", {})):
-            set_optimizer_state_dict(module, optimizer, optimizer_state, options=FULL)
+            set_optimizer_state_dict(module, optimizer, optimizer_state, options=_full())
         # else plain SGD's: no tensor to shard, nothing a step reads (torch's loader refuses it)
+
+
+def _full():
+    """Whole (gathered) state dicts. FSDP's modules load only on a sharded stage: they cost a
+    stage actor ~0.6 s of its start (torch.distributed.tensor), which most pipelines never use."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True)
 
 
 def _holds_tensors(state: dict) -> bool:

@@ -17,7 +17,6 @@ from typing import Any
 import ray
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.experimental import implicit_replication
 
 from ray_jobs.core.activations import checkpoint_activations, compile_blocks
 from ray_jobs.core.batches import microbatches, shard
@@ -240,7 +239,7 @@ class StageWorker:
         if dist.is_initialized():  # this replica's stages: after the average, every replica's norm is one
             self._gloo(CALLS, dist.all_reduce, squared, op=dist.ReduceOp.SUM, group=self.grid.pipeline)
         total = squared.sqrt()[0]
-        with implicit_replication():  # a sharded stage's gradients (DTensors) scaled by the plain total
+        with self.grid.plain_scalars():
             torch.nn.utils.clip_grads_with_norm_(self.module.parameters(), self.clip_norm, total)
         self.grad_norms.append(float(total))
 
