@@ -58,13 +58,21 @@ def _header(results: dict[str, Any]) -> list[str]:
         "",
         f"{machine['cpu_count']} CPUs, {_gpus(machine)}torch {machine['torch']}, ray {machine['ray']}, "
         f"python {machine['python']}, "
-        f"{machine['platform']}; {results['seconds']:.0f} s; load average (1/5/15 min) "
+        f"{machine['platform']}; {results['seconds']:.0f} s{_case_seconds(results.get('case_seconds'))}; "
+        "load average (1/5/15 min) "
         f"{machine.get('load_average_at_start')} at start, {machine.get('load_average_at_end')} at end. "
         f"{_steal_line(machine.get('steal_by_run'))}"
         f"{_niceness_line(machine.get('worker_niceness'))}"
         "Figures: median (min–max) of the repetitions after a warm-up (throughput: every epoch after each "
         "run's first; start-up: the runs); ratios: ratio of medians (least–most favourable pairing).",
     ]
+
+
+def _case_seconds(seconds: dict[str, float] | None) -> str:
+    """Each case's share of the run's time (bench.json files written before it lack them)."""
+    if not seconds:
+        return ""
+    return " (" + ", ".join(f"{name} {value:.0f} s" for name, value in seconds.items()) + ")"
 
 
 def _targets(results: dict[str, Any]) -> list[str]:

@@ -87,9 +87,12 @@ def run_suite(
         "machine": {**machine_info(), "worker_niceness": bench.niceness},  # the peers' too
         "complete": False,
     }
+    results["case_seconds"] = {}
     for name, case in CASES.items():
         if name in cases:
+            case_began = time.perf_counter()
             results[name] = case(bench, results)
+            results["case_seconds"][name] = time.perf_counter() - case_began
             _write_json(results, out)  # a later case failing keeps what was measured
     results["targets"] = targets(results)
     results["seconds"] = time.perf_counter() - began

@@ -145,6 +145,9 @@ class Suite:
     """Runs of its DDP pair (raypar and the torch peer, alternating): its goal asks for the median of 5."""
     lm_compile: bool = True
     """Whether the language-model case also runs raypar DDP with ``--compile`` (inductor: ~30 s to compile here)."""
+    warm_ups: bool = True
+    """Whether the DDP and pipeline cases first run once unmeasured (imports, worker processes):
+    figures the suite compares need them; the smoke suite's mean nothing."""
     gpt: GPTShape = GPTShape(n_layer=6, n_head=4, n_embd=256, block_size=256, vocab_size=512, batch_size=8)
     pretrained: GPTShape | None = GPTShape(
         n_layer=12, n_head=12, n_embd=768, block_size=8, vocab_size=50257, batch_size=4
@@ -296,6 +299,7 @@ SUITES: dict[str, Suite] = {
         lm_repetitions=1,
         lm_ddp_pairs=1,
         lm_compile=False,  # the Ray tests train compiled blocks; its figures are compile_figures' (unit-tested)
+        warm_ups=False,
         gpt=GPTShape(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, batch_size=4),
         sharding=LmWorkload(n_layer=2, n_head=2, n_embd=32, block_size=16, rows=64, batch_size=16, epochs=2),
         sharding_widths=(32,),

@@ -74,6 +74,9 @@ def test_render_names_the_run_the_hypervisor_slowed_most():
     }
     results = {"suite": "quick", "seconds": 1.0, "plots": "none", "machine": machine, "targets": []}
     assert "steal) during the measured runs: median 2.0%, most 8.5% (b, run 1)." in render(results)
+    assert "; 1 s; load average" in render(results)  # a bench.json without each case's seconds
+    results["case_seconds"] = {"data_parallel": 32.4, "pipeline": 21.5}
+    assert "; 1 s (data_parallel 32 s, pipeline 22 s); load average" in render(results)
 
 
 def test_render_puts_accumulation_k4_beside_k1():

@@ -106,13 +106,14 @@ def data_parallel_cases(bench: Bench, results: dict[str, Any]) -> dict[str, Any]
     run_dp = ddp_workers <= largest_node_cpus()
     raw: dict[str, list[dict]] = {f"ddp{n}": [] for n in counts}
     raw.update({f"torch{ddp_workers}": [], f"dp{ddp_workers}": []})
-    if counts[0] == ddp_workers:
+    if counts[0] == ddp_workers and suite.warm_ups:
         # Otherwise a smaller fit runs first and pays the cluster's one-time costs (imports,
         # worker processes); only its steady epochs are reported, which exclude the first.
         bench.log("[bench] warm-up (discarded): one 1-epoch DDP fit")
         raypar_data_parallel(bench, "ddp", ddp_workers, epochs=1)
-    bench.log("[bench] warm-up (discarded): one plain-torch DDP run")
-    bench.peer(work, bench.ddp_data, ddp_workers, 1)
+    if suite.warm_ups:
+        bench.log("[bench] warm-up (discarded): one plain-torch DDP run")
+        bench.peer(work, bench.ddp_data, ddp_workers, 1)
     for rep in range(max(suite.fit_repetitions, suite.overhead_repetitions)):
         for n in counts:
             if rep < (suite.overhead_repetitions if n == ddp_workers else suite.fit_repetitions):

@@ -100,9 +100,10 @@ def pipeline_case(bench: Bench, results: dict[str, Any]) -> dict[str, Any]:
     configs = [c for c in wanted if same_as[c] == c[0]]  # run each distinct op order once
     raw: dict[tuple, list[dict]] = {c: [] for c in configs}
     single: list[dict] = []
-    bench.log("[bench] warm-up (discarded): one pipeline run, one single-process run")
-    run_pipeline(bench, "gpipe", suite.target_microbatches, PIPELINE_TRANSPORT)
-    bench.peer(work, bench.pipeline_data, 1, THREADS_PER_STAGE)
+    if suite.warm_ups:
+        bench.log("[bench] warm-up (discarded): one pipeline run, one single-process run")
+        run_pipeline(bench, "gpipe", suite.target_microbatches, PIPELINE_TRANSPORT)
+        bench.peer(work, bench.pipeline_data, 1, THREADS_PER_STAGE)
     for rep in range(max(suite.pipeline_repetitions, suite.pipeline_target_repetitions)):
         if rep < suite.cheap_repetitions:
             bench.measure(
