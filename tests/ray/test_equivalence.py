@@ -14,8 +14,9 @@ from tests.helpers import assert_trains_the_reference, run_strategy
 pytestmark = pytest.mark.ray
 
 CASES = [
-    # strategy, num_workers, task, shuffle, optimizer settings
-    ("ddp", 2, "regression", True, {"momentum": 0.9, "lr_schedule": "cosine", "warmup_steps": 4, "min_lr": 0.005}),
+    # strategy, num_workers, task, shuffle, optimizer settings. ddp on 2 workers with momentum, a
+    # cosine schedule, its warmup and floor, shuffled: tests/ray/test_clip.py's ddp case (with
+    # --grad-accum-steps and a clip on top)
     # 32 rows over 3 workers: slices of 11, 11 and 10, each loss weighted by its share
     ("ddp", 3, "regression", False, {"batch_size": 32}),
     (

@@ -9,6 +9,7 @@ import json
 import os
 import textwrap
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,8 +55,8 @@ def tied_model(tmp_path, monkeypatch) -> str:
 
 
 CASES = [
-    # num_workers, task, model, settings
-    (2, "regression", "mlp", {"optimizer": "adamw", "lr": 0.01, "weight_decay": 0.01, "grad_clip_norm": 0.5}),
+    # num_workers, task, model, settings; 2 workers on AdamW with weight decay and a clip: the
+    # resume test below, whose first run is checked as these are
     (2, "classification", "seed-mlp", {"momentum": 0.9, "grad_accum_steps": 2, "lr_schedule": "cosine"}),
     (1, "regression", "mlp", {"optimizer": "adamw", "lr": 0.01}),
     (2, "regression", "tied", {"momentum": 0.5}),
@@ -79,16 +80,21 @@ def test_fsdp_matches_single_process_reference(
         **options,
         **settings,
     )
-    summary = run_strategy("fsdp", cfg, num_workers)
+    assert_trains_fsdps_reference(run_strategy("fsdp", cfg, num_workers), cfg, num_workers, reshard_after_forward=True)
+
+
+def assert_trains_fsdps_reference(summary, cfg: TrainConfig, num_workers: int, reshard_after_forward: bool) -> None:
+    """The run ends on the reference's weights, and its checkpoints are fsdp's: sharded per rank."""
     # the tolerance of every strategy's test (assert_same_weights: gloo's reduce-scatter sums the
     # workers' gradients in another order than one full-batch mean)
     assert_trains_the_reference(summary, cfg)
+    tmp_path = Path(cfg.storage_path)
     record = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert (record["strategy"], record["world_size"]) == ("fsdp", num_workers)
-    assert record["config"]["scaling"]["reshard_after_forward"] is True
+    assert record["config"]["scaling"]["reshard_after_forward"] is reshard_after_forward
     # each rank wrote its own shards; checkpoint.pt holds no tensors; the last checkpoint also has
     # each rank's slices of the weights, which model.pt was consolidated from
-    first, last = (str(tmp_path / "run" / f"checkpoint_epoch_00000{epoch}") for epoch in (2, 3))
+    first, last = (str(tmp_path / "run" / checkpoint_name(epoch)) for epoch in (cfg.epochs - 1, cfg.epochs))
     shards = sorted(os.listdir(f"{last}/shards"))
     assert shards == sorted([".metadata", *(f"__{rank}_0.distcp" for rank in range(num_workers))])
     assert read_checkpoint(first).sharded and read_checkpoint(first).model == {}
@@ -100,12 +106,17 @@ def test_fsdp_matches_single_process_reference(
 def test_fsdp_resumes_on_fewer_workers_from_the_newest_checkpoint_with_every_shard(
     ray_cluster, tmp_path, regression_data, capfd
 ):
-    """2 workers train 2 epochs; epoch 2's checkpoint then lacks rank 1's shard (its upload never
-    arrived), though its checkpoint.pt is whole. The name re-run for 3 epochs on 1 worker passes
-    it over with one warning, reads epoch 1's 2 shards resharded onto 1, AdamW's moments
-    included, and ends on the reference's weights."""
-    cfg = mlp_config(regression_data, tmp_path, epochs=2, seed=3, optimizer="adamw", lr=0.01, num_checkpoints_to_keep=2)
-    run_strategy("fsdp", cfg, 2, scaling=ShardedScaling(num_workers=2, reshard_after_forward=False))
+    """2 workers train 2 epochs (AdamW with weight decay and a clip) to the reference's weights;
+    epoch 2's checkpoint then lacks rank 1's shard (its upload never arrived), though its
+    checkpoint.pt is whole. The name re-run for 3 epochs on 1 worker passes it over with one
+    warning, reads epoch 1's 2 shards resharded onto 1, AdamW's moments included, and ends on the
+    reference's weights."""
+    cfg = mlp_config(
+        regression_data, tmp_path, epochs=2, seed=3, optimizer="adamw", lr=0.01, weight_decay=0.01,
+        grad_clip_norm=0.5, num_checkpoints_to_keep=2,
+    )  # fmt: skip
+    first = run_strategy("fsdp", cfg, 2, scaling=ShardedScaling(num_workers=2, reshard_after_forward=False))
+    assert_trains_fsdps_reference(first, cfg, 2, reshard_after_forward=False)
     damaged = tmp_path / "run" / checkpoint_name(2)
     (damaged / "shards" / "__1_0.distcp").unlink()
     capfd.readouterr()
