@@ -135,8 +135,15 @@ def test_hsdp_shards_within_groups_and_resumes_as_plain_fsdp(ray_cluster, tmp_pa
     """4 workers in 2 groups of 2 (HSDP, ``--shard-group-size 2``: a 2-D mesh (replicate, shard))
     train 2 epochs to the reference's weights, each worker holding half the model state; the name
     re-run for a third epoch on 2 workers in one group (FSDP) reads the 2-D shards resharded, AdamW's
-    moments included, and ends on the reference too."""
+    moments included, and ends on the reference too.
+
+    Its 4 workers hold every CPU of the session's cluster, and do not hang: raypar loads the data
+    in the driver and shares it through the object store, with no Ray Data read that needs a free
+    CPU."""
+    import ray
+
     cfg = mlp_config(regression_data, tmp_path, epochs=2, seed=6, optimizer="adamw", lr=0.01)
+    assert ray.cluster_resources()["CPU"] == 4  # ShardedScaling's default: 1 CPU a worker
     hsdp = run_strategy("fsdp", cfg, scaling=ShardedScaling(num_workers=4, shard_group_size=2))
     assert_trains_the_reference(hsdp, cfg)
     state = hsdp.extra["worker_model_state_bytes"]

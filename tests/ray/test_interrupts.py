@@ -16,7 +16,7 @@ from ray.util.state import list_actors
 
 from ray_jobs.core.checkpoint import latest_checkpoint
 from ray_jobs.core.config import TrainConfig
-from tests.helpers import assert_same_weights, load_weights, reference_for, run_strategy
+from tests.helpers import assert_same_weights, load_weights, run_strategy
 
 pytestmark = pytest.mark.ray
 
@@ -122,22 +122,3 @@ def test_a_sigkilled_train_worker_resumes_to_the_uninterrupted_runs_weights(
     assert summary.resumed_from_epoch is not None and summary.epochs_completed == 6
     assert_same_weights(load_weights(summary.run_dir), load_weights(uninterrupted.run_dir), exact=True)
     assert summary.losses == uninterrupted.losses
-
-
-def test_training_workers_holding_every_cpu_do_not_hang(ray_cluster, regression_data, tmp_path):
-    # raypar loads data in the driver and shares it through the object store (no Ray Data
-    # pipeline that needs a free CPU), so workers may hold all of the cluster's CPUs.
-    total = int(ray.cluster_resources()["CPU"])
-    cfg = TrainConfig(
-        model="seed-mlp",
-        hidden=8,
-        data=regression_data,
-        epochs=1,
-        batch_size=16 * total,
-        seed=1,
-        storage_path=str(tmp_path),
-        name="full",
-    )
-    summary = run_strategy("ddp", cfg, num_workers=total)
-    assert summary.world_size == total
-    assert_same_weights(load_weights(summary.run_dir), reference_for(cfg)[0])

@@ -59,14 +59,24 @@ def test_a_dropout_model_resumes_to_the_uninterrupted_runs_weights(ray_cluster, 
     assert resumed.losses == uninterrupted.losses
 
 
-def test_a_rerun_continues_from_the_most_work_done_when_file_times_say_nothing(ray_cluster, cfg, tmp_path):
-    """Re-running a name continues it to more epochs. Object stores keep whole seconds, and a
-    copied run directory has new times: resume and model.pt must still come from the newest
-    checkpoint."""
+def test_a_rerun_continues_from_the_most_work_done_and_rewrites_the_outputs_a_shorter_run_left(
+    ray_cluster, cfg, tmp_path
+):
+    """Re-running a name continues it to more epochs, from its newest checkpoint:
+    - object stores keep whole seconds, and a copied run directory has new times: resume and
+      model.pt must still come from the checkpoint with the most work done;
+    - the run trained 2 epochs (its outputs written), then was raised to 3 and stopped once epoch
+      3's checkpoint was written, before its outputs: a re-run with --epochs 3 must not call the
+      2-epoch outputs complete, and ends with the 3-epoch checkpoint's model and summary."""
+    import json
     import os
     import shutil
 
+    run_dir = tmp_path / "run"
     first = run_strategy("dp", with_(cfg, epochs=2, num_checkpoints_to_keep=3))
+    stale = {name: (run_dir / name).read_bytes() for name in ("model.pt", "summary.json")}
+    expected_weights, _ = reference_for(cfg)
+
     copy = tmp_path / "copied"
     shutil.copytree(first.run_dir, copy, copy_function=shutil.copy)
     (copy / "model.pt").unlink()
@@ -76,26 +86,15 @@ def test_a_rerun_continues_from_the_most_work_done_when_file_times_say_nothing(r
     os.utime(next(copy.glob("checkpoint_*1/checkpoint.pt")))  # the older checkpoint now looks newest
     second = run_strategy("dp", with_(cfg, name="copied"))
     assert second.resumed_from_epoch == 2 and second.epochs_completed == 3
-    expected_weights, _ = reference_for(cfg)
     assert_same_weights(load_weights(second.run_dir), expected_weights)
 
-
-def test_outputs_a_shorter_run_left_are_written_anew_from_the_newest_checkpoint(ray_cluster, cfg, tmp_path):
-    """The run trained 2 epochs (its outputs written), then was raised to 3 and stopped once epoch 3's
-    checkpoint was written, before its outputs: a re-run with --epochs 3 must not call the 2-epoch
-    outputs complete, and ends with the 3-epoch checkpoint's model and summary."""
-    import json
-
-    run_dir = tmp_path / "run"
-    run_strategy("dp", with_(cfg, epochs=2))
-    stale = {name: (run_dir / name).read_bytes() for name in ("model.pt", "summary.json")}
     run_strategy("dp", cfg)
     for name, content in stale.items():
         (run_dir / name).write_bytes(content)
     summary = run_strategy("dp", cfg)
     assert summary.epochs_completed == 3 and summary.resumed_from_epoch == 3
     assert json.loads((run_dir / "summary.json").read_text())["epochs_completed"] == 3
-    assert_same_weights(load_weights(str(run_dir)), reference_for(cfg)[0])
+    assert_same_weights(load_weights(str(run_dir)), expected_weights)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
