@@ -38,10 +38,9 @@ CASES = [
 ] + [
     ("seed-split", "gpipe", 1, False, "p2p"),  # M=1 < S: the pipeline never fills
     ("mlp-3", "sequential", 4, False, "p2p"),
-    # the other transports: the same arithmetic over another path
-    ("mlp-3", "gpipe", 2, False, "actor_calls"),
+    # the other transports: the same arithmetic over another path (S = 3 over each: the killed-stage
+    # test below, to the reference after its resume)
     ("mlp-4", "1f1b", 2, True, "actor_calls"),
-    ("mlp-3", "1f1b", 4, True, "compiled"),
     ("mlp-4", "gpipe", 4, False, "compiled"),
 ]
 TRANSPORT_NAMES = {"p2p": "p2p_gloo", "compiled": "compiled_graph", "actor_calls": "actor_calls"}
