@@ -88,13 +88,13 @@ def assert_trains_fsdps_reference(summary, cfg: TrainConfig, num_workers: int, r
     # the tolerance of every strategy's test (assert_same_weights: gloo's reduce-scatter sums the
     # workers' gradients in another order than one full-batch mean)
     assert_trains_the_reference(summary, cfg)
-    tmp_path = Path(cfg.storage_path)
-    record = json.loads((tmp_path / "run" / "summary.json").read_text())
+    run_dir = Path(summary.run_dir)
+    record = json.loads((run_dir / "summary.json").read_text())
     assert (record["strategy"], record["world_size"]) == ("fsdp", num_workers)
     assert record["config"]["scaling"]["reshard_after_forward"] is reshard_after_forward
     # each rank wrote its own shards; checkpoint.pt holds no tensors; the last checkpoint also has
     # each rank's slices of the weights, which model.pt was consolidated from
-    first, last = (str(tmp_path / "run" / checkpoint_name(epoch)) for epoch in (cfg.epochs - 1, cfg.epochs))
+    first, last = (str(run_dir / checkpoint_name(epoch)) for epoch in (cfg.epochs - 1, cfg.epochs))
     shards = sorted(os.listdir(f"{last}/shards"))
     assert shards == sorted([".metadata", *(f"__{rank}_0.distcp" for rank in range(num_workers))])
     assert read_checkpoint(first).sharded and read_checkpoint(first).model == {}
