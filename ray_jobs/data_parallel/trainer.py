@@ -7,6 +7,7 @@ how the model is held (``wrap.Replicas``, ``sharding.Shards``), which the caller
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import threading
@@ -14,7 +15,7 @@ from dataclasses import asdict
 
 import ray
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch import TorchTrainer
 from ray.train.v2.api.config import LoggingConfig
 
 from ray_jobs.core.checkpoint import latest_checkpoint, latest_progress
@@ -22,6 +23,7 @@ from ray_jobs.core.config import WorkerScaling
 from ray_jobs.core.failure_record import recorded_failure
 from ray_jobs.data import storage
 from ray_jobs.data.stream import reader_stats, stream_reader
+from ray_jobs.data_parallel.process_group import ProcessGroupConfig
 from ray_jobs.data_parallel.worker import LoopConfig, train_loop_per_worker
 from ray_jobs.data_parallel.wrap import Replicas
 from ray_jobs.driver import interrupts
@@ -91,9 +93,8 @@ def _fit(prepared: PreparedRun, scaling: WorkerScaling, wrap, reader, faults: Fa
         val_dataset=ray.put(prepared.val_dataset) if prepared.val_dataset is not None else None,
         faults=faults,
     )
-    trainer = _Trainer(
-        train_loop_per_worker,
-        train_loop_config=vars(loop),
+    trainer = _trainer(
+        vars(loop),
         torch_config=_process_group(scaling),
         scaling_config=ScalingConfig(
             num_workers=(scaling.min_workers, scaling.num_workers) if scaling.elastic else scaling.num_workers,
@@ -147,6 +148,15 @@ def _fit(prepared: PreparedRun, scaling: WorkerScaling, wrap, reader, faults: Fa
     return finish(prepared, final, metrics, world_size, {"scaling": asdict(scaling)}, extra)
 
 
+def _trainer(loop: dict, **options) -> _Trainer:
+    """The loop's config is bound to the function, not passed as ``train_loop_config``: Ray
+    Train's controller unpickles that (for its run records), and it holds the model's wrapper and
+    factory, whose modules import torch (with ``TorchConfig``'s, ~1.4 of the controller's 2.8
+    CPU-seconds a fit, measured). The bound function reaches the workers through the object
+    store, which the controller does not open."""
+    return _Trainer(functools.partial(train_loop_per_worker, loop), **options)
+
+
 def _drop_unreadable_registry(run_dir: str) -> None:
     """Ray Train's checkpoint registry, when a write cut it short (a full disk), fails every later
     fit of the run ("CheckpointManagerInitializationError: Expecting value"). raypar resumes from
@@ -166,7 +176,7 @@ def _drop_unreadable_registry(run_dir: str) -> None:
         storage.delete_file(path)
 
 
-def _process_group(scaling: WorkerScaling) -> TorchConfig:
+def _process_group(scaling: WorkerScaling) -> ProcessGroupConfig:
     """Ray Train's default (nccl on GPUs, gloo on CPUs), except for workers that may share a GPU:
     gloo, said on one line. Not a refusal: fractional GPUs are how Ray packs small workers onto
     one device, a user asking for them wants that run, and gloo all-reduces the same float32
@@ -175,13 +185,13 @@ def _process_group(scaling: WorkerScaling) -> TorchConfig:
     largest = max((node["Resources"].get("GPU", 0.0) for node in ray.nodes() if node.get("Alive")), default=0.0)
     shared = gpu_sharing(scaling.num_workers, scaling.resources_per_worker.get("GPU"), largest)
     if not shared:
-        return TorchConfig()
+        return ProcessGroupConfig()
     print(
         f"[raypar] {shared}; nccl cannot run two ranks on one GPU, so the workers all-reduce over gloo "
         "(through host memory, slower; --gpus-per-worker 1 gives each its own GPU and nccl)",
         flush=True,
     )
-    return TorchConfig(backend="gloo")
+    return ProcessGroupConfig(backend="gloo")
 
 
 def _request(strategy: str, flag: str, num_workers: int) -> Request:

@@ -28,3 +28,28 @@ def test_the_placement_group_cleaner_goes_only_on_a_ray_this_process_started(mon
         trainer = _Trainer(lambda: None, scaling_config=ScalingConfig(num_workers=1))
         kinds = {type(callback) for callback in trainer._create_default_callbacks()}
         assert (PlacementGroupCleanerCallback in kinds) is not started_here
+
+
+def test_what_ray_trains_controller_unpickles_imports_no_torch():
+    """Ray Train starts a controller process per fit; torch in it cost ~1.4 of its 2.8
+    CPU-seconds. The loop's config (which holds torch objects) must reach only the workers."""
+    import functools
+    import subprocess
+    import sys
+
+    import torch
+    from ray import cloudpickle
+
+    from ray_jobs.data_parallel.process_group import ProcessGroupConfig
+    from ray_jobs.data_parallel.trainer import _trainer
+
+    trainer = _trainer(
+        {"wrap": torch.nn.Linear},
+        torch_config=ProcessGroupConfig(backend="gloo"),
+        scaling_config=ScalingConfig(num_workers=2),
+    )
+    controller_inputs = cloudpickle.dumps((trainer.train_run_context, trainer._create_default_callbacks()))
+    assert isinstance(trainer.train_loop_per_worker, functools.partial)
+    code = "import pickle, sys; pickle.loads(sys.stdin.buffer.read()); print('torch' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", code], input=controller_inputs, capture_output=True, check=True)
+    assert loaded.stdout.strip() == b"False", loaded.stderr.decode()[-2000:]
