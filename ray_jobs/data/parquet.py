@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
-import torch
 
 from ray_jobs.data.storage import resolve
+
+if TYPE_CHECKING:
+    import torch
 
 TASKS = ("regression", "classification")
 NUM_CLASSES_KEY = b"raypar.num_classes"
@@ -66,6 +69,10 @@ class Dataset:
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Features and targets as tensors sharing the arrays' memory (no copy)."""
+        # Here, not at the top: the tokenizer's Ray Data workers read and write Parquet through
+        # this module and need no torch (~0.9 s of each one's start).
+        import torch
+
         with warnings.catch_warnings():
             # Object-store arrays are read-only and shared by a node's workers; training only
             # indexes them, never writes.
