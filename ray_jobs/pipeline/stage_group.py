@@ -185,9 +185,27 @@ class StageGroup:
 
     def describe_failure(self, error: Exception) -> str:
         """Name the dead stage by probing every actor at once: the error alone does not say
-        which. A dead actor's probe fails at once; a live one may be blocked (in a receive from
-        the dead stage, or behind its queued batches) and answer late or never, so silence
-        alone does not make a stage the culprit."""
+        which."""
+        dead, silent = self._probe()
+        if dead is not None:
+            return dead
+        cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        if silent:
+            named = silent if self.scaling.data_parallel == 1 else [self.grid(index).name for index in silent]
+            return f"stages {named} stopped answering ({cause})"
+        return f"a stage failed ({cause})"
+
+    def dead_stage(self) -> str | None:
+        """The stage actor found dead, named, or None when every one answers (or stays silent).
+        A stage's own error can be a dead peer's echo: its all-reduce or its FSDP gather fails
+        with gloo's "Connection reset by peer" before Ray reports the peer's death."""
+        return self._probe()[0]
+
+    def _probe(self) -> tuple[str | None, list[int]]:
+        """Ask every actor at once whether it lives. A dead actor's probe fails at once; a live
+        one may be blocked (in a receive from the dead stage, or behind its queued batches) and
+        answer late or never, so silence alone does not make a stage the culprit. Returns the
+        first dead stage's description and the silent stages' indices."""
         probes = {actor.node_id.remote(): index for index, actor in enumerate(self.actors)}
         waiting, deadline = list(probes), time.monotonic() + PROBE_TIMEOUT_S
         while waiting:
@@ -199,13 +217,8 @@ class StageGroup:
             except Exception:  # the actor is gone
                 index = probes[ready[0]]
                 node = self.nodes[index] if index < len(self.nodes) else "(not started)"
-                return f"{self.grid(index).name} actor on node {node} died"
-        cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        silent = sorted(probes[ref] for ref in waiting)
-        if silent:
-            named = silent if self.scaling.data_parallel == 1 else [self.grid(index).name for index in silent]
-            return f"stages {named} stopped answering ({cause})"
-        return f"a stage failed ({cause})"
+                return f"{self.grid(index).name} actor on node {node} died", []
+        return None, sorted(probes[ref] for ref in waiting)
 
     def shutdown(self) -> None:
         if self.transport is not None:

@@ -268,17 +268,27 @@ def _attempts_writing(
             while attempt.state.epochs_completed < cfg.epochs:
                 _epoch(stages, prepared, attempt, scaling, faults)
             return _finish(prepared, scaling, stages, attempt, reader)
-        except (StartFailed, *STAGE_FAILURES) as error:
-            reason = str(error) if stages is None else stages.describe_failure(error)
+        except (StartFailed, *STAGE_FAILURES, RayTaskError) as error:
+            reason = _lost_stage(stages, error)
+            if reason is None:  # a stage's own error, with every stage alive: not one a restart mends
+                raise TrainingFailed(root_cause(error)) from error
             if failures == cfg.max_failures:
                 raise TrainingFailed(f"{reason}; --max-failures {cfg.max_failures} exhausted") from error
             print(f"[raypar] {reason}; restarting the pipeline from the latest checkpoint", flush=True)
-        except RayTaskError as error:
-            raise TrainingFailed(root_cause(error)) from error
         finally:
             if stages is not None:
                 stages.shutdown()
     raise AssertionError("unreachable")
+
+
+def _lost_stage(stages: StageGroup | None, error: Exception) -> str | None:
+    """Why the attempt ended, when a restart can mend it (a stage lost); None for a stage's own
+    error. A live stage's error (its all-reduce's or FSDP gather's gloo "Connection reset by
+    peer") can reach the driver before the dead peer's does, so a ``RayTaskError`` counts as a
+    lost stage when one is found dead."""
+    if isinstance(error, RayTaskError) and not isinstance(error, STAGE_FAILURES):
+        return None if stages is None else stages.dead_stage()
+    return str(error) if stages is None else stages.describe_failure(error)
 
 
 def _finish(
