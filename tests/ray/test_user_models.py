@@ -126,13 +126,12 @@ def user_cfg(user_module, request, tmp_path):
 
 
 @pytest.mark.ray
-def test_ddp_trains_a_user_model_and_validates_it_alike_with_1_and_2_workers(ray_cluster, user_cfg):
+def test_ddp_trains_a_user_model_and_validates_it_as_one_process_does(ray_cluster, user_cfg):
     """The workers cannot import the test's module (it is on this process's path only): the model's
-    code reaches them by value."""
-    one, two = (run_and_compare("ddp", with_(user_cfg, name=f"ddp{size}"), size) for size in (1, 2))
-    # the two runs' weights differ by all-reduce rounding only; the evaluation itself is the same
-    assert two["val_losses"] == pytest.approx(one["val_losses"], rel=1e-6)
-    assert two["val_accuracy"] == one["val_accuracy"]
+    code reaches them by value. Each epoch's validation is plain PyTorch's (``run_and_compare``),
+    whatever the worker count: the chunks and their sums are the same for any count
+    (tests/unit/test_user_models.py, bit for bit)."""
+    run_and_compare("ddp", with_(user_cfg, name="ddp2"), 2)
 
 
 @pytest.mark.ray
