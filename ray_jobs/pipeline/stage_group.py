@@ -20,6 +20,7 @@ from ray_jobs.pipeline.stage import StageWorker
 from ray_jobs.pipeline.transports import STAGE_FAILURES, TransportFailed, connect, resolve_transport
 
 PROBE_TIMEOUT_S = 10.0  # how long a failed pipeline waits for its stages to answer "are you alive"
+ECHO_PROBE_S = 2.0  # the same, after a stage's own error: is it a dead stage's echo?
 
 
 class StartFailed(TrainingFailed):
@@ -196,18 +197,20 @@ class StageGroup:
         return f"a stage failed ({cause})"
 
     def dead_stage(self) -> str | None:
-        """The stage actor found dead, named, or None when every one answers (or stays silent).
-        A stage's own error can be a dead peer's echo: its all-reduce or its FSDP gather fails
-        with gloo's "Connection reset by peer" before Ray reports the peer's death."""
-        return self._probe()[0]
+        """The stage actor found dead within ``ECHO_PROBE_S``, named, or None. A stage's own error
+        can be a dead peer's echo: its all-reduce or its FSDP gather fails with gloo's
+        "Connection reset by peer" before Ray reports the peer's death. A dead actor's probe
+        fails at once; the short wait is for stages blocked on the failed one, which never
+        answer, so a stage's real error reaches the user in seconds, not ``PROBE_TIMEOUT_S``."""
+        return self._probe(ECHO_PROBE_S)[0]
 
-    def _probe(self) -> tuple[str | None, list[int]]:
+    def _probe(self, timeout_s: float = PROBE_TIMEOUT_S) -> tuple[str | None, list[int]]:
         """Ask every actor at once whether it lives. A dead actor's probe fails at once; a live
         one may be blocked (in a receive from the dead stage, or behind its queued batches) and
         answer late or never, so silence alone does not make a stage the culprit. Returns the
         first dead stage's description and the silent stages' indices."""
         probes = {actor.node_id.remote(): index for index, actor in enumerate(self.actors)}
-        waiting, deadline = list(probes), time.monotonic() + PROBE_TIMEOUT_S
+        waiting, deadline = list(probes), time.monotonic() + timeout_s
         while waiting:
             ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
