@@ -38,6 +38,15 @@ from tests.reference import reference_train
 REPO = Path(__file__).resolve().parents[1]
 
 
+def modules_after(statements: str, stdin: bytes | None = None) -> list[str]:
+    """The modules a fresh interpreter holds after running ``statements`` from the repository: what
+    a Ray worker or a spawned process that does the same loads (the tests that keep torch, FSDP or
+    Ray out of one)."""
+    code = f"import sys\n{statements}\nprint(*sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, input=stdin, capture_output=True, check=True)
+    return result.stdout.decode().splitlines()[-1].split()
+
+
 def tensors(path: str) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Features, targets and output width of a dataset, for the reference."""
     dataset = read_dataset(path)

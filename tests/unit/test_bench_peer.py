@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ from ray_jobs.bench.peer import torch_ddp
 from ray_jobs.core.config import TrainConfig
 from ray_jobs.core.model_init import initial_model
 from ray_jobs.data.parquet import read_dataset
-from tests.helpers import REPO, assert_same_weights, reference_for, write_tokens
+from tests.helpers import assert_same_weights, modules_after, reference_for, write_tokens
 
 GPT = ["n_layer=2", "n_head=2", "n_embd=16"]
 
@@ -42,9 +40,7 @@ def test_torch_ddp_peer_with_two_processes_matches_a_single_process_loop(regress
 def test_the_peers_processes_import_no_ray():
     """The peer's spawned processes import its module: Ray there would inflate the start-up cost
     that raypar's is compared with."""
-    code = "import sys, ray_jobs.bench.peer; print(*(m for m in sys.modules if m.split('.')[0] == 'ray'))"
-    imported = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
-    assert imported.stdout.split() == []
+    assert [m for m in modules_after("import ray_jobs.bench.peer") if m.split(".")[0] == "ray"] == []
 
 
 def test_torch_ddp_peer_trains_the_gpt_of_one_process(tmp_path):

@@ -13,7 +13,7 @@ from ray_jobs.core.model_init import initial_model
 from ray_jobs.data.parquet import read_dataset
 from ray_jobs.pipeline.cut import stage_keys
 from ray_jobs.pipeline.stage import StageWorker
-from tests.helpers import REPO
+from tests.helpers import REPO, modules_after
 
 
 def test_a_stage_gets_exactly_its_slice_of_the_initial_weights(regression_data):
@@ -65,7 +65,5 @@ def test_building_a_stage_never_builds_the_whole_model():
 def test_a_stage_actor_loads_fsdps_modules_only_on_a_sharded_stage():
     """torch.distributed.tensor and FSDP2 cost each stage actor ~0.6 s of its start (2.0 s against
     1.3 s for the stage's imports); an unsharded pipeline, the usual one, never uses them."""
-    code = "import sys, ray_jobs.pipeline.stage; print(*(m for m in sys.modules if m.startswith('torch.distributed.')))"
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
-    loaded = result.stdout.split()
+    loaded = [m for m in modules_after("import ray_jobs.pipeline.stage") if m.startswith("torch.distributed.")]
     assert not [m for m in loaded if m.split(".")[2] in ("tensor", "fsdp", "checkpoint")], loaded

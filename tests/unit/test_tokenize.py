@@ -254,8 +254,6 @@ def test_a_directory_gives_its_text_not_its_caches_or_binaries(tmp_path):
 
 def test_the_tokenizers_ray_workers_import_no_torch():
     """What ``tokenize --ray``'s Ray Data workers unpickle needs no torch: ~0.9 s of each one's start."""
-    import subprocess
+    from tests.helpers import modules_after
 
-    code = "import sys, ray_jobs.data.tokenize_ray; print('torch' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert result.stdout.strip() == "False", result.stderr[-2000:]
+    assert "torch" not in modules_after("import ray_jobs.data.tokenize_ray")
