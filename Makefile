@@ -2,10 +2,15 @@
 # `make test-fast` the unit lane only (no Ray, under a minute: run it after every change); `make lint`.
 # Both create .venv on first use. torch comes first as the pinned CPU wheel, so no multi-GB
 # CUDA build is ever downloaded; the project's own torch range is then already satisfied.
+# uv installs (into the venv, from pip's own find-links where set): a clean clone's set-up took
+# ~60 s with pip, ~30 s with uv. Bytecode is compiled at install: where PYTHONDONTWRITEBYTECODE
+# is set no process would ever cache it, and each would compile torch and Ray again.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.raypar-installed
+UV_INSTALL := $(VENV)/bin/uv pip install --quiet --python $(PY) --compile-bytecode \
+	$(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 
 .PHONY: demo test test-fast lint format bench venv clean
 
@@ -13,9 +18,9 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet 'uv>=0.9,<1'
+	$(UV_INSTALL) torch==2.13.0
+	$(UV_INSTALL) -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -39,7 +44,7 @@ format: $(STAMP)
 	$(PY) -m ruff check --fix .
 
 bench: $(STAMP)
-	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(UV_INSTALL) -e '.[test,bench]'
 	$(PY) -m ray_jobs.bench --suite quick
 
 clean:
