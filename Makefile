@@ -10,7 +10,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.raypar-installed
 UV_INSTALL := $(VENV)/bin/uv pip install --quiet --python $(PY) --compile-bytecode \
-	$(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
+	$(foreach links,$(PIP_FIND_LINKS),--find-links $(links))
 
 .PHONY: demo test test-fast lint format bench venv clean
 
