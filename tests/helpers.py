@@ -43,7 +43,8 @@ def modules_after(statements: str, stdin: bytes | None = None) -> list[str]:
     a Ray worker or a spawned process that does the same loads (the tests that keep torch, FSDP or
     Ray out of one)."""
     code = f"import sys\n{statements}\nprint(*sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, input=stdin, capture_output=True, check=True)
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, input=stdin, capture_output=True)
+    assert result.returncode == 0, result.stderr.decode()[-2000:]  # the child's traceback, not just its status
     return result.stdout.decode().splitlines()[-1].split()
 
 
