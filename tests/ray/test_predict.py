@@ -14,7 +14,15 @@ pytestmark = pytest.mark.ray
 
 
 def test_predictions_equal_the_model_in_input_order(ray_cluster, tmp_path):
+    """Also: the read of its 3 files starts one footer reader, not Ray Data's 32 processes."""
+    from ray.util.state import list_actors
+
+    def footer_readers() -> int:
+        return len(list_actors(address=ray_cluster.dashboard_url, filters=[("class_name", "=", "FooterReader")]))
+
+    before = footer_readers()
     predicts_the_model_in_input_order(str(tmp_path), "", "regression", num_workers=1)
+    assert footer_readers() - before == 1
 
 
 # The session's Ray has 4 CPUs: a pool of 1-CPU actors as large as that (or larger) held every

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import warnings
 
 import pyarrow as pa
@@ -13,7 +14,15 @@ import torch
 from models import build_model
 from ray_jobs.data import storage
 from ray_jobs.predict import job as predict
-from ray_jobs.predict.inference import Predictor, check_output, split_cpus, write_parquet
+from ray_jobs.predict.inference import (
+    FOOTER_READERS_ENV,
+    Predictor,
+    check_output,
+    footer_reader_count,
+    footer_readers,
+    split_cpus,
+    write_parquet,
+)
 from ray_jobs.predict.trained import TrainedModel, load_run
 from tests.helpers import fake_run, write_parts
 
@@ -220,3 +229,19 @@ def test_the_predictor_reads_arrow_rows_without_a_warning_and_never_writes_them(
     with torch.no_grad():
         expected = model(torch.tensor(rows))
     assert got.column("prediction").to_pylist() == expected.tolist()
+
+
+def test_a_read_gets_a_footer_reader_per_batch_of_files_and_a_users_setting_stands(monkeypatch):
+    """Ray Data's footer pool: one reader per batch of files (10, or the batch size set), at most its 32."""
+    monkeypatch.delenv(FOOTER_READERS_ENV, raising=False)
+    monkeypatch.delenv("RAY_DATA_PARQUET_FOOTER_BATCH_SIZE", raising=False)
+    assert [footer_reader_count(n) for n in (1, 10, 11, 320, 5000)] == [1, 1, 2, 32, 32]
+    with footer_readers(25):
+        assert os.environ[FOOTER_READERS_ENV] == "3"
+    assert FOOTER_READERS_ENV not in os.environ  # only while the read is planned
+    monkeypatch.setenv("RAY_DATA_PARQUET_FOOTER_BATCH_SIZE", "4")
+    assert footer_reader_count(25) == 7
+    monkeypatch.setenv(FOOTER_READERS_ENV, "8")
+    with footer_readers(25):
+        assert os.environ[FOOTER_READERS_ENV] == "8"
+    assert os.environ[FOOTER_READERS_ENV] == "8"
