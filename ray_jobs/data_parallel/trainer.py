@@ -6,10 +6,8 @@ how the model is held (``wrap.Replicas``, ``sharding.Shards``), which the caller
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
-import os
 import threading
 from dataclasses import asdict
 
@@ -27,7 +25,7 @@ from ray_jobs.data_parallel.process_group import ProcessGroupConfig
 from ray_jobs.data_parallel.worker import LoopConfig, train_loop_per_worker
 from ray_jobs.data_parallel.wrap import Replicas
 from ray_jobs.driver import interrupts
-from ray_jobs.driver.connect import WORKER_ENV, ray_started_here
+from ray_jobs.driver.connect import WORKER_ENV, env_defaults, ray_started_here
 from ray_jobs.driver.outputs import finish, finish_trained
 from ray_jobs.driver.prepare import PreparedRun
 from ray_jobs.driver.resources import Request, gpu_sharing, wait_for_bundles
@@ -118,7 +116,7 @@ def _fit(prepared: PreparedRun, scaling: WorkerScaling, wrap, reader, faults: Fa
         ),
     )
     try:
-        with _controller_env(CONTROLLER_ENV):
+        with env_defaults(CONTROLLER_ENV):  # fit() passes the driver's values on to the controller
             result = _fit_interruptibly(trainer)
     except ray.train.TrainingFailedError as error:
         raise TrainingFailed(storage_named(root_cause(error), prepared.run_dir)) from error
@@ -208,19 +206,6 @@ def _storage_options(storage_path: str) -> dict:
         return {"storage_path": storage_path}
     filesystem, path = storage.resolve(storage_path)
     return {"storage_path": path, "storage_filesystem": filesystem}
-
-
-@contextlib.contextmanager
-def _controller_env(defaults: dict[str, str]):
-    """Set Ray Train's variables for this fit, each unless the user set it: ``fit()`` passes the
-    driver's values on to the controller it starts."""
-    added = {name: value for name, value in defaults.items() if name not in os.environ}
-    os.environ.update(added)
-    try:
-        yield
-    finally:
-        for name in added:
-            os.environ.pop(name, None)
 
 
 class _Trainer(TorchTrainer):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -168,3 +170,17 @@ def _free_port() -> int:
     with socket.socket() as probe_socket:
         probe_socket.bind(("127.0.0.1", 0))
         return probe_socket.getsockname()[1]
+
+
+@contextlib.contextmanager
+def env_defaults(defaults: dict[str, str]) -> Iterator[None]:
+    """Set each of ``defaults`` in this process's environment for the block, unless the user set
+    it: Ray reads its tuning variables where it builds what they size (a fit's controller, a read's
+    footer pool), and a user's own value wins. Removed again on the way out, failure or not."""
+    added = {name: value for name, value in defaults.items() if name not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 import pyarrow as pa
@@ -21,15 +19,18 @@ import torch
 
 from ray_jobs.data import storage
 from ray_jobs.data.parquet import fixed_width, parquet_files
+from ray_jobs.driver.connect import env_defaults
 from ray_jobs.predict.trained import TrainedModel
 
 # Ray Data's read tasks take this many CPUs each (its default); the actor pool leaves them free.
 READ_CPUS = 1.0
 # Ray schedules resources in steps of 1/10,000: an actor's share is rounded down to one.
 CPU_STEPS = 10_000
-# Ray Data 2.60 reads Parquet footers on a pool of actors it starts for each read_parquet: 32 of
-# them unless this is set, each a worker process of its own, for one file or a thousand; each
-# reader is handed files in batches (the second variable, 10 unless set).
+# Ray Data 2.60 reads Parquet footers on a pool of actors it sizes when a read_parquet is planned:
+# 32 of them unless this is set, each a worker process of its own, for one file or a thousand;
+# each reader is handed files in batches (the second variable, 10 unless set). With its 32, three
+# reads of one small file started 17 worker processes and took 8.4 s here; with one reader, 4
+# processes and 4.3 s.
 FOOTER_READERS_ENV = "RAY_DATA_PARQUET_FOOTER_NUM_ACTORS"
 FOOTER_BATCH_ENV = "RAY_DATA_PARQUET_FOOTER_BATCH_SIZE"
 MAX_FOOTER_READERS = 32
@@ -183,7 +184,8 @@ def predict(
     # Ray Data's own guard: no block moving for this long ends the run instead of a silent wait.
     context.execution_no_progress_timeout_s = stall_timeout_s
     read_cpus, cpus = split_cpus(num_workers, ray.cluster_resources().get("CPU", 0.0))
-    with ray.data.DataContext.current(context), footer_readers(len(files)):
+    footer_pool = {FOOTER_READERS_ENV: str(footer_reader_count(len(files)))}
+    with ray.data.DataContext.current(context), env_defaults(footer_pool):
         dataset = ray.data.read_parquet(files, filesystem=filesystem, num_cpus=read_cpus).map_batches(
             Predictor,
             fn_constructor_kwargs={"trained": trained, "feature_column": feature_column, "use_gpu": use_gpu},
@@ -209,21 +211,6 @@ def footer_reader_count(num_files: int) -> int:
     """Footer readers for ``num_files`` files: one per batch of files, at most Ray Data's 32."""
     files_per_batch = max(1, int(os.environ.get(FOOTER_BATCH_ENV, "10")))
     return min(MAX_FOOTER_READERS, -(-num_files // files_per_batch))
-
-
-@contextmanager
-def footer_readers(num_files: int) -> Iterator[None]:
-    """While the read is planned (Ray Data sizes its footer pool then), as many footer readers as
-    the files need. With its 32, three reads of one small file started 17 worker processes and
-    took 8.4 s here; with one reader, 4 processes and 4.3 s. A value the user set stands."""
-    if FOOTER_READERS_ENV in os.environ:
-        yield
-        return
-    os.environ[FOOTER_READERS_ENV] = str(footer_reader_count(num_files))
-    try:
-        yield
-    finally:
-        os.environ.pop(FOOTER_READERS_ENV, None)
 
 
 def write_parquet(out: storage.Location, batches, schema: pa.Schema) -> int:

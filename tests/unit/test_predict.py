@@ -13,13 +13,14 @@ import torch
 
 from models import build_model
 from ray_jobs.data import storage
+from ray_jobs.driver.connect import env_defaults
 from ray_jobs.predict import job as predict
 from ray_jobs.predict.inference import (
+    FOOTER_BATCH_ENV,
     FOOTER_READERS_ENV,
     Predictor,
     check_output,
     footer_reader_count,
-    footer_readers,
     split_cpus,
     write_parquet,
 )
@@ -234,14 +235,14 @@ def test_the_predictor_reads_arrow_rows_without_a_warning_and_never_writes_them(
 def test_a_read_gets_a_footer_reader_per_batch_of_files_and_a_users_setting_stands(monkeypatch):
     """Ray Data's footer pool: one reader per batch of files (10, or the batch size set), at most its 32."""
     monkeypatch.delenv(FOOTER_READERS_ENV, raising=False)
-    monkeypatch.delenv("RAY_DATA_PARQUET_FOOTER_BATCH_SIZE", raising=False)
+    monkeypatch.delenv(FOOTER_BATCH_ENV, raising=False)
     assert [footer_reader_count(n) for n in (1, 10, 11, 320, 5000)] == [1, 1, 2, 32, 32]
-    with footer_readers(25):
+    with env_defaults({FOOTER_READERS_ENV: str(footer_reader_count(25))}):  # as predict sets it
         assert os.environ[FOOTER_READERS_ENV] == "3"
     assert FOOTER_READERS_ENV not in os.environ  # only while the read is planned
-    monkeypatch.setenv("RAY_DATA_PARQUET_FOOTER_BATCH_SIZE", "4")
+    monkeypatch.setenv(FOOTER_BATCH_ENV, "4")
     assert footer_reader_count(25) == 7
     monkeypatch.setenv(FOOTER_READERS_ENV, "8")
-    with footer_readers(25):
+    with env_defaults({FOOTER_READERS_ENV: str(footer_reader_count(25))}):
         assert os.environ[FOOTER_READERS_ENV] == "8"
     assert os.environ[FOOTER_READERS_ENV] == "8"
