@@ -21,6 +21,8 @@ from ray.train.backend import Backend, BackendConfig
 from ray.train.constants import DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
 from ray.train.v2._internal.util import TrainingFramework
 
+from ray_jobs.core.torch_imports import load_torch_for_training
+
 logger = logging.getLogger(__name__)
 
 
@@ -93,7 +95,9 @@ class _TorchProcessGroup(Backend):
 
 
 def _join(backend: str, address: str, port: int, world_rank: int, world_size: int, timeout_s: int) -> None:
-    """On a worker: what ``TorchConfig``'s backend has each worker do."""
+    """On a worker: what ``TorchConfig``'s backend has each worker do. It is the first of the
+    worker's code to load torch, so it loads it as a training process should."""
+    load_torch_for_training()
     from ray.train.torch import config
 
     os.environ["MASTER_ADDR"] = address

@@ -30,6 +30,7 @@ from ray_jobs.core.config import TrainConfig
 from ray_jobs.core.lr_schedule import lr_schedule
 from ray_jobs.core.model_init import materialize
 from ray_jobs.core.step import autocast, build_optimizer, grad_scaler, loss_function, rank_seed
+from ray_jobs.core.torch_imports import load_torch_for_training
 from ray_jobs.data.device_copy import to_device
 from ray_jobs.data.stream import open_source
 from ray_jobs.errors import PeerLost, described
@@ -78,6 +79,8 @@ class StageWorker:
     ) -> None:
         """``grid``: this actor's replica and how the replicas share the stage (--data-parallel,
         --stage-sharding); None: the only replica."""
+        # This module loaded torch already; the larger half, torch._dynamo, is still to come.
+        load_torch_for_training()
         cfg = TrainConfig(**train)
         torch.set_num_threads(num_threads)
         self.device = torch.device("cuda" if use_gpu else "cpu")
