@@ -56,7 +56,6 @@ from ray_jobs.errors import described
 from ray_jobs.observability.comm_bytes import CommBytes
 from ray_jobs.observability.model_memory import model_state_bytes
 from ray_jobs.observability.process_stats import cpu_times, peak_rss_bytes, reset_peak_rss, rss_bytes, steal_fraction
-from ray_jobs.observability.tensorboard import TrainLog
 from ray_jobs.observability.throughput import throughput_text
 from ray_jobs.testing.faults import NO_FAULTS, Faults
 
@@ -172,7 +171,7 @@ class _Worker:
         self.num_samples, self.epoch_seconds, self.epoch_steal = 0, [], []
         upload = functools.partial(loop.faults.checkpoint_upload, world_rank=self.world_rank, resumed=self.resumed)
         self.saver = CheckpointSaver(cfg.checkpoint_mode, upload)
-        self.log = TrainLog(loop.run_dir) if self.world_rank == 0 else None  # TensorBoard: world rank 0's
+        self.log = _train_log(loop.run_dir) if self.world_rank == 0 else None  # TensorBoard: world rank 0's
         mine = (ray.get_runtime_context().get_node_id(), ctx.get_node_rank())
         nodes, node_ranks = (list(column) for column in zip(*_gather(mine, self.world_size)))
         attempt = {
@@ -362,6 +361,14 @@ def _mean_over_workers(value: torch.Tensor, world_size: int) -> torch.Tensor:
         dist.all_reduce(value)
         value = value / world_size
     return value
+
+
+def _train_log(run_dir: str):
+    """World rank 0's TensorBoard writer, imported here: tensorboardX and its protobufs are ~0.2
+    CPU-seconds of a worker's start that the other ranks, which write nothing, need not pay."""
+    from ray_jobs.observability.tensorboard import TrainLog
+
+    return TrainLog(run_dir)
 
 
 def _gather(mine: Any, world_size: int) -> list[Any]:
