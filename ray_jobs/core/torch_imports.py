@@ -2,7 +2,8 @@
 
 Importing torch and ``torch._dynamo`` builds ~450,000 Python objects, and the collector, run as
 they accumulate (every 700 allocations, and over the oldest generation as it grows), walks them
-again and again: ~0.4 of the ~2.3 CPU-seconds those imports cost a fresh Ray actor, measured
+again and again: ~0.4 of the ~2.3 CPU-seconds a fresh Ray actor spent on those imports and 300
+small training steps, measured; in the test suite, 0.8 of each Ray Train worker's 4.7
 (``docs/performance.md``). Every Ray Train worker and every pipeline stage pays it at its start,
 and a run starts one per worker or stage, again on each restart.
 
