@@ -24,8 +24,8 @@ def load_torch_for_training() -> None:
     ``gc.freeze`` moves every object alive into a generation the collector never walks: torch's
     modules, classes and registries live as long as the process, so later collections in the
     training loop skip them instead of walking them again. An object frozen is still freed by its
-    reference count; what the freeze keeps is cyclic garbage made before it (~9,000 objects left
-    by the imports, found by a full collection that costs 0.3 CPU-seconds, more than it frees).
+    reference count; what the freeze keeps is cyclic garbage made before it: ~9,000 objects the
+    imports left, which a full collection would free for 0.3 CPU-seconds of every start.
     A process that already loaded ``torch._dynamo`` returns at once.
     """
     if "torch._dynamo" in sys.modules:
