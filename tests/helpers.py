@@ -38,14 +38,19 @@ from tests.reference import reference_train
 REPO = Path(__file__).resolve().parents[1]
 
 
+def fresh_output(code: str, stdin: bytes | None = None) -> str:
+    """What a fresh interpreter prints running ``code`` from the repository (a process that starts
+    as a Ray worker or a command does, with nothing of this test process loaded)."""
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, input=stdin, capture_output=True)
+    assert result.returncode == 0, result.stderr.decode()[-2000:]  # the child's traceback, not just its status
+    return result.stdout.decode()
+
+
 def modules_after(statements: str, stdin: bytes | None = None) -> list[str]:
     """The modules a fresh interpreter holds after running ``statements`` from the repository: what
     a Ray worker or a spawned process that does the same loads (the tests that keep torch, FSDP or
     Ray out of one)."""
-    code = f"import sys\n{statements}\nprint(*sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, input=stdin, capture_output=True)
-    assert result.returncode == 0, result.stderr.decode()[-2000:]  # the child's traceback, not just its status
-    return result.stdout.decode().splitlines()[-1].split()
+    return fresh_output(f"import sys\n{statements}\nprint(*sys.modules)", stdin).splitlines()[-1].split()
 
 
 def tensors(path: str) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +13,8 @@ from models import build_model
 from ray_jobs.data.tokenizer import EOT_TEXT, ByteTokenizer, train_bpe
 from ray_jobs.generate import main
 from ray_jobs.predict.generate import LanguageModel, Sampling, sample
+from tests.helpers import fresh_output
 
-REPO = Path(__file__).resolve().parents[2]
 GPT = {"name": "gpt", "in_features": 257, "out_features": 257, "n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8}
 
 
@@ -185,8 +182,8 @@ def test_generate_runs_without_importing_ray(tmp_path):
         f"code = main([{str(tmp_path / 'run')!r}, '--max-new-tokens', '2']); "
         "print(code, *(m for m in sys.modules if m.split('.')[0] == 'ray'))"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
-    assert result.stdout.splitlines()[-1].split() == ["0"], result.stdout
+    output = fresh_output(code)
+    assert output.splitlines()[-1].split() == ["0"], output
 
 
 def tiny_lm(in_features: int, out_features: int, **options) -> torch.nn.Module:

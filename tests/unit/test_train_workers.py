@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 from ray_jobs.data_parallel.trainer import CONTROLLER_ENV, CONTROLLER_POLL_VARIABLE, PREEMPTION_WATCHER_VARIABLE
 from ray_jobs.driver.connect import env_defaults
-from tests.helpers import REPO
+from tests.helpers import fresh_output
 
 
 @pytest.fixture
@@ -55,5 +53,4 @@ def test_a_training_process_loads_torch_with_no_collection_and_freezes_it():
         "load_torch_for_training()\n"
         "print(gc.get_freeze_count())"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
-    assert result.stdout.split() == ["0", "True", "True", "True", "0"], result.stderr[-2000:]
+    assert fresh_output(code).split() == ["0", "True", "True", "True", "0"]
