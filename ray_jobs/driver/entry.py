@@ -17,7 +17,7 @@ from ray.exceptions import RayError
 
 from ray_jobs.core.config import ADDRESS_HELP, ArgumentParser, TrainConfig, add_flags, flag_group, from_args
 from ray_jobs.driver.connect import join, reachable
-from ray_jobs.driver.interrupts import run_until_interrupted
+from ray_jobs.driver.interrupts import run_until_interrupted, stop_requested
 from ray_jobs.driver.lease import RunLease
 from ray_jobs.driver.prepare import PreparedRun, prepare
 from ray_jobs.driver.rerun import AlreadyComplete
@@ -71,10 +71,7 @@ def entry_point(
             file=sys.stderr,
             flush=True,
         )
-        # Disconnecting the driver makes Ray end every actor it owns: the Train controller
-        # and its workers, or the pipeline's stages (and a local cluster started here).
-        ray.shutdown()
-        return 130
+        return 130  # exit_process ends the run's actors with this process (its docstring says how)
     finally:
         lease.release()
     print(summary.table())
@@ -82,12 +79,19 @@ def entry_point(
 
 
 def exit_process(code: int) -> typing.NoReturn:
-    """End an entry point's process: flush, shut Ray down (which also ends a local Ray started
-    here), and exit without finalizing the interpreter. A run interrupted mid-fit leaves threads
-    (the fit's helper, Ray core's own) alive, and finalizing the interpreter under them crashed
-    the process now and then (seen once in ~20 interrupted runs: SIGSEGV instead of exit 130)."""
+    """End an entry point's process: flush, disconnect from Ray, and exit without finalizing the
+    interpreter.
+
+    After Ctrl-C or SIGTERM, a helper thread can still be inside a Ray call: the fit's ``ray.get``
+    on Ray Train's controller, which raypar holds no handle to cancel. Tearing Ray's core worker
+    down under that call crashed the process (SIGSEGV in ``CoreWorkerMemoryStore::Get``, exit -11
+    for 130, in one CI run), and so did finalizing the interpreter (once in ~20 runs). So a
+    stopped run's process ends at once, without either. Ray then ends every actor this driver
+    owned (the Train controller, whose workers go with it, or the pipeline's stages), as it does
+    when a driver disconnects, and a local Ray started here is killed with the process (Ray
+    starts it fate-sharing)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    if ray.is_initialized():
+    if ray.is_initialized() and not stop_requested():
         ray.shutdown()
     os._exit(code)

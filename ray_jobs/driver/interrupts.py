@@ -25,6 +25,11 @@ def check() -> None:
         raise KeyboardInterrupt
 
 
+def stop_requested() -> bool:
+    """Whether Ctrl-C or SIGTERM arrived during this process's run."""
+    return STOP.is_set()
+
+
 def run_until_interrupted(work: Callable[[], Result]) -> Result:
     """Run ``work`` on a helper thread; SIGINT/SIGTERM ask it to stop (call from the main thread)."""
     STOP.clear()

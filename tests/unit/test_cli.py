@@ -206,3 +206,19 @@ def test_dp_refuses_compile_on_several_gpus_in_one_line(capsys):
     assert dp.main(["--compile", "--gpus", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --compile with dp on more than one GPU")
+
+
+@pytest.mark.parametrize(("stopped", "shut_down"), [(False, True), (True, False)])
+def test_a_stopped_run_exits_without_tearing_ray_down_under_its_threads(monkeypatch, stopped, shut_down):
+    """After Ctrl-C the fit's thread can still be inside ``ray.get``: ``ray.shutdown()`` under it
+    crashed the process (SIGSEGV, exit -11 for 130). The process then ends without it, and Ray
+    ends the driver's actors with the process (tests/ray/test_interrupts.py)."""
+    from ray_jobs.driver import entry, interrupts
+
+    calls: list[str] = []
+    monkeypatch.setattr(entry.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(entry.ray, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(entry.os, "_exit", lambda code: calls.append(f"exit {code}"))
+    monkeypatch.setattr(interrupts.STOP, "is_set", lambda: stopped)
+    entry.exit_process(130)
+    assert calls == ["shutdown", "exit 130"] if shut_down else ["exit 130"]
