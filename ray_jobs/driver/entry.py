@@ -16,7 +16,7 @@ import ray
 from ray.exceptions import RayError
 
 from ray_jobs.core.config import ADDRESS_HELP, ArgumentParser, TrainConfig, add_flags, flag_group, from_args
-from ray_jobs.driver.connect import join, reachable
+from ray_jobs.driver.connect import end_local_ray_now, join, ray_started_here, reachable
 from ray_jobs.driver.interrupts import run_until_interrupted, stop_requested
 from ray_jobs.driver.lease import RunLease
 from ray_jobs.driver.prepare import PreparedRun, prepare
@@ -88,10 +88,13 @@ def exit_process(code: int) -> typing.NoReturn:
     for 130, in one CI run), and so did finalizing the interpreter (once in ~20 runs). So a
     stopped run's process ends at once, without either. Ray then ends every actor this driver
     owned (the Train controller, whose workers go with it, or the pipeline's stages), as it does
-    when a driver disconnects, and a local Ray started here is killed with the process (Ray
-    starts it fate-sharing)."""
+    when a driver disconnects. A local Ray started here is killed with the process (Ray starts its
+    daemons fate-sharing), and ``end_local_ray_now`` kills what they started first."""
     sys.stdout.flush()
     sys.stderr.flush()
-    if ray.is_initialized() and not stop_requested():
-        ray.shutdown()
+    if ray.is_initialized():
+        if not stop_requested():
+            ray.shutdown()
+        elif ray_started_here():
+            end_local_ray_now()
     os._exit(code)

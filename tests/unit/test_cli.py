@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -208,17 +209,50 @@ def test_dp_refuses_compile_on_several_gpus_in_one_line(capsys):
     assert len(err) == 1 and err[0].startswith("error: --compile with dp on more than one GPU")
 
 
-@pytest.mark.parametrize(("stopped", "shut_down"), [(False, True), (True, False)])
-def test_a_stopped_run_exits_without_tearing_ray_down_under_its_threads(monkeypatch, stopped, shut_down):
+@pytest.mark.parametrize(
+    ("stopped", "started_here", "calls"),
+    [
+        (False, False, ["shutdown", "exit 130"]),
+        (False, True, ["shutdown", "exit 130"]),
+        (True, False, ["exit 130"]),
+        (True, True, ["end local ray", "exit 130"]),
+    ],
+)
+def test_a_stopped_run_exits_without_tearing_ray_down_under_its_threads(monkeypatch, stopped, started_here, calls):
     """After Ctrl-C the fit's thread can still be inside ``ray.get``: ``ray.shutdown()`` under it
     crashed the process (SIGSEGV, exit -11 for 130). The process then ends without it, and Ray
     ends the driver's actors with the process (tests/ray/test_interrupts.py)."""
     from ray_jobs.driver import entry, interrupts
 
-    calls: list[str] = []
+    made: list[str] = []
     monkeypatch.setattr(entry.ray, "is_initialized", lambda: True)
-    monkeypatch.setattr(entry.ray, "shutdown", lambda: calls.append("shutdown"))
-    monkeypatch.setattr(entry.os, "_exit", lambda code: calls.append(f"exit {code}"))
+    monkeypatch.setattr(entry.ray, "shutdown", lambda: made.append("shutdown"))
+    monkeypatch.setattr(entry.os, "_exit", lambda code: made.append(f"exit {code}"))
     monkeypatch.setattr(interrupts.STOP, "is_set", lambda: stopped)
+    monkeypatch.setattr(entry, "ray_started_here", lambda: started_here)
+    monkeypatch.setattr(entry, "end_local_ray_now", lambda: made.append("end local ray"))
     entry.exit_process(130)
-    assert calls == ["shutdown", "exit 130"] if shut_down else ["exit 130"]
+    assert made == calls
+
+
+def test_ending_a_local_ray_kills_what_its_daemons_started_and_leaves_the_daemons_to_die_with_the_driver(
+    monkeypatch,
+):
+    """The daemons go with the driver's process (fate-sharing); killing them first would race its
+    exit status. What they started (the raylet's agents, which otherwise linger ~60 s) is killed."""
+    import psutil
+
+    from ray_jobs.driver import connect
+
+    daemon = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60 & wait"])
+    started = psutil.Process(daemon.pid)
+    deadline = time.monotonic() + 10
+    while len(started.children()) < 2:
+        assert time.monotonic() < deadline, "sh did not start its two sleeps"
+        time.sleep(0.01)
+    below = started.children()
+    monkeypatch.setattr(connect, "_local_daemons", [started])
+    connect.end_local_ray_now()
+    gone, alive = psutil.wait_procs(below, timeout=10)
+    assert not alive and {process.returncode for process in gone} <= {None, -9}
+    assert daemon.wait(timeout=10) == 0  # the daemon was not signalled: its `wait` returned normally
